@@ -1,0 +1,77 @@
+"""`astraflow inspect RUN_DIR`: what a run's shards hold, per policy. Works on a live run.
+
+Reads only the shards (SWMR) and the journal, never the dataflow rank, so it also works on
+a finished or crashed run. The version lag of a trajectory is the latest published version
+of its policy when it was stored minus the oldest version that generated its tokens.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from astraflow.store.journal import replay
+from astraflow.store.reader import iter_shards, load_rows
+
+TIMELINE_BUCKETS = 10
+
+
+def inspect_run(run_dir: str | Path) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    df = load_rows(run_dir)
+    consumed: dict[str, int] = {}
+    steps: dict[str, int] = {}
+    for ev in replay(run_dir / "journal"):
+        if ev.get("ev") == "consumed":
+            steps[ev["policy"]] = max(steps.get(ev["policy"], 0), ev["step"])
+            consumed[ev["policy"]] = consumed.get(ev["policy"], 0) + len(ev["ids"])
+    report: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "shards": [p.name for p in iter_shards(run_dir)],
+        "quarantined": sorted(p.name for p in (run_dir / "shards" / "quarantine").glob("*.h5")),
+        "unreadable": df.attrs.get("skipped", []),
+        "trajectories": int(len(df)),
+        "tasks": int(df["task_id"].nunique()) if len(df) else 0,
+        "policies": {},
+    }
+    if not len(df):
+        return report
+    t0, t1 = float(df["t_commit"].min()), float(df["t_commit"].max())
+    edges = np.linspace(t0, t1 + 1e-9, TIMELINE_BUCKETS + 1)
+    for policy, g in df.groupby("policy"):
+        lag = (g["version_at_commit"] - g["version_min"]).clip(lower=0)
+        bucket = np.clip(np.digitize(g["t_commit"], edges) - 1, 0, TIMELINE_BUCKETS - 1)
+        timeline = []
+        for b in range(TIMELINE_BUCKETS):
+            sel = g[bucket == b]
+            timeline.append({"t_s": round(float(edges[b] - t0), 3), "trajectories": int(len(sel)),
+                             "reward_mean": float(sel["reward"].mean()) if len(sel) else None})
+        report["policies"][policy] = {
+            "trajectories": int(len(g)),
+            "tokens": int(g["length"].sum()),
+            "reward_mean": float(g["reward"].mean()),
+            "reward_std": float(g["reward"].std(ddof=0)),
+            "version_lag": {str(k): int(v) for k, v in lag.value_counts().sort_index().items()},
+            "per_worker": {str(k): int(v) for k, v in g["worker"].value_counts().items()},
+            "consumed": consumed.get(policy, 0),
+            "trainer_step": steps.get(policy, 0),
+            "timeline": timeline,
+        }
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"run {r['run_dir']}: {r['trajectories']} trajectories from {r['tasks']} tasks "
+             f"in {len(r['shards'])} shards"]
+    for name in ("quarantined", "unreadable"):
+        if r[name]:
+            lines.append(f"  {name}: {', '.join(r[name])}")
+    for policy, p in r["policies"].items():
+        lines.append(f"policy {policy}: {p['trajectories']} trajectories, {p['tokens']} tokens, "
+                     f"reward {p['reward_mean']:.3f} ± {p['reward_std']:.3f}, consumed {p['consumed']} "
+                     f"(trainer step {p['trainer_step']})")
+        lines.append("  version lag: " + ", ".join(f"{k}: {v}" for k, v in p["version_lag"].items()))
+        lines.append("  per worker: " + ", ".join(f"{k}: {v}" for k, v in p["per_worker"].items()))
+        lines.append("  timeline: " + " ".join(str(b["trajectories"]) for b in p["timeline"]))
+    return "\n".join(lines)

@@ -1,0 +1,235 @@
+"""YAML -> typed `Config`, strictly.
+
+Rejected before anything starts, each with the file, the line, the dotted key path and what
+was expected: unknown keys (the valid ones are listed), wrong types, missing fields, values
+outside a field's `choices`. `--set a.b=c` overrides are applied to the parsed YAML before
+validation, so they are checked exactly like the file; a list of named items (policies) can
+be addressed by index or by name: `policies.solver.max_staleness=1`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from astraflow.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already phrased for the user."""
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+    return parse_config(text, source=str(path), overrides=overrides)
+
+
+def parse_config(text: str, source: str = "<config>", overrides: Iterable[str] = ()) -> Config:
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: invalid YAML: {e}") from None
+    data = yaml.safe_load(text) if node is not None else {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}:1: the top level must be a mapping of sections")
+    lines: dict[str, int] = {}
+    if node is not None:
+        _record_lines(node, "", lines)
+    for item in overrides:
+        _apply_override(data, item, lines)
+    where = _Where(source, lines)
+    cfg = _build(Config, data, "", where)
+    _check_semantics(cfg, where)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(_plain(dataclasses.asdict(cfg)), sort_keys=False)
+
+
+def runtime_changes(old: Config, new: Config) -> list[str]:
+    """Dotted paths whose values differ; raises if one is not changeable at run time."""
+    changed: list[str] = []
+    _diff(old, new, "", changed)
+    return changed
+
+
+# ---------------------------------------------------------------- internals
+
+
+@dataclasses.dataclass
+class _Where:
+    source: str
+    lines: dict[str, int]
+
+    def at(self, path: str) -> str:
+        probe = path
+        while probe and probe not in self.lines:
+            probe = probe.rpartition(".")[0]
+        line = self.lines.get(probe)
+        return f"{self.source}:{line}" if line else self.source
+
+
+def _check_semantics(cfg: Config, where: _Where) -> None:
+    if not cfg.policies:
+        raise ConfigError(f"{where.at('policies')}: policies: at least one policy is required")
+    seen: set[str] = set()
+    for i, p in enumerate(cfg.policies):
+        if p.name in seen:
+            raise ConfigError(f"{where.at(f'policies.{i}')}: policies.{i}.name: duplicate policy {p.name!r}")
+        seen.add(p.name)
+    if len(cfg.policies) > 127:
+        raise ConfigError(f"{where.at('policies')}: policies: at most 127 policies")
+    if cfg.tasks.kind == "jsonl" and not cfg.tasks.path:
+        raise ConfigError(f"{where.at('tasks')}: tasks.path: required when tasks.kind is 'jsonl'")
+    if cfg.tasks.group_size < 1:
+        raise ConfigError(f"{where.at('tasks.group_size')}: tasks.group_size: expected >= 1")
+
+
+def _record_lines(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            path = f"{prefix}.{key.value}" if prefix else str(key.value)
+            out[path] = key.start_mark.line + 1
+            _record_lines(value, path, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, value in enumerate(node.value):
+            path = f"{prefix}.{i}"
+            out[path] = value.start_mark.line + 1
+            _record_lines(value, path, out)
+
+
+def _apply_override(data: dict, item: str, lines: dict[str, int]) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    parts = key.split(".")
+    target: Any = data
+    for i, part in enumerate(parts[:-1]):
+        target = _step(target, part, ".".join(parts[: i + 1]), create=True)
+    last = parts[-1]
+    if isinstance(target, list):
+        raise ConfigError(f"--set {key}: cannot replace a list item wholesale")
+    target[last] = value
+    lines.pop(key, None)
+
+
+def _step(target: Any, part: str, path: str, create: bool) -> Any:
+    if isinstance(target, list):
+        if part.isdigit() and int(part) < len(target):
+            return target[int(part)]
+        named = [x for x in target if isinstance(x, dict) and x.get("name") == part]
+        if named:
+            return named[0]
+        names = [x.get("name") for x in target if isinstance(x, dict)]
+        raise ConfigError(f"--set {path}: no item {part!r}; items: {names}")
+    if isinstance(target, dict):
+        if part not in target and create:
+            target[part] = {}
+        return target[part]
+    raise ConfigError(f"--set {path}: not a section")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _build(tp: Any, value: Any, path: str, where: _Where) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build_dataclass(tp, value, path, where)
+    if origin is tuple:
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where.at(path)}: {path}: expected a list, got {_show(value)}")
+        return tuple(_build(item_tp, v, f"{path}.{i}", where) for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        tp = next(o for o in options if o is not type(None))
+        return _build(tp, value, path, where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{where.at(path)}: {path}: expected true or false, got {_show(value)}")
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{where.at(path)}: {path}: expected int, got {_show(value)}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{where.at(path)}: {path}: expected {_type_name(tp)}, got {_show(value)}")
+    return value
+
+
+def _build_dataclass(tp: Any, value: Any, path: str, where: _Where) -> Any:
+    label = path or "top level"
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where.at(path)}: {label}: expected a mapping, got {_show(value)}")
+    fields = {f.name: f for f in dataclasses.fields(tp)}
+    hints = typing.get_type_hints(tp)
+    for key in value:
+        if key not in fields:
+            sub = f"{path}.{key}" if path else str(key)
+            raise ConfigError(
+                f"{where.at(sub)}: {sub}: unknown key; valid keys of {label}: {sorted(fields)}"
+            )
+    kwargs = {}
+    for name, f in fields.items():
+        sub = f"{path}.{name}" if path else name
+        if name not in value:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{where.at(path)}: {sub}: missing required field ({_type_name(hints[name])})")
+            continue
+        built = _build(hints[name], value[name], sub, where)
+        choices = f.metadata.get("choices")
+        if choices and built not in choices:
+            raise ConfigError(f"{where.at(sub)}: {sub}: {built!r} is not one of {list(choices)}")
+        kwargs[name] = built
+    return tp(**kwargs)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}"
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _diff(old: Any, new: Any, path: str, out: list[str]) -> None:
+    if dataclasses.is_dataclass(old):
+        for f in dataclasses.fields(old):
+            sub = f"{path}.{f.name}" if path else f.name
+            a, b = getattr(old, f.name), getattr(new, f.name)
+            if a == b:
+                continue
+            if dataclasses.is_dataclass(a) or isinstance(a, tuple):
+                _diff(a, b, sub, out)
+            elif not f.metadata.get("runtime"):
+                raise ConfigError(f"{sub}: fixed when the run directory was created "
+                                  f"({a!r}); it cannot be changed to {b!r} on an existing run")
+            else:
+                out.append(sub)
+    elif isinstance(old, tuple):
+        if len(old) != len(new):
+            raise ConfigError(f"{path}: the number of items is fixed once the run exists")
+        for i, (a, b) in enumerate(zip(old, new)):
+            _diff(a, b, f"{path}.{i}", out)

@@ -1,0 +1,102 @@
+"""Typed configuration of an AstraFlow run.
+
+Every section is a small frozen dataclass; `astraflow.config.loader` turns YAML into these
+objects and rejects unknown keys, wrong types and missing fields before anything starts.
+
+Invariants:
+- a field with no default is required;
+- a field whose metadata has `runtime=True` may be changed with `--set` on an existing run
+  directory (everything else is fixed once the run directory is created, so every component
+  of a run agrees on it);
+- `choices` in a field's metadata lists the accepted values (the loader names them on error).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def runtime(default: Any, **meta: Any) -> Any:
+    """A field that may be changed with --set on an existing run directory."""
+    return field(default=default, metadata={"runtime": True, **meta})
+
+
+def choice(default: str, *choices: str) -> Any:
+    return field(default=default, metadata={"choices": choices})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "astraflow"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataflowConfig:
+    # "loopback" (local runs), "auto" (the node's cluster address under Slurm, loopback
+    # otherwise), an interface name such as "ib0", or a literal IPv4 address.
+    interface: str = "auto"
+    port: int = 0  # 0 = pick a free port; the chosen one is published in rendezvous/
+    lease_s: float = runtime(60.0)
+    heartbeat_timeout_s: float = runtime(30.0)
+    max_message_mb: float = 64.0
+    # Replay window: a signed message older than this (sender's wall clock) is refused.
+    max_clock_skew_s: float = 300.0
+    status_window_s: float = runtime(30.0)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    compression: str = choice("none", "none", "lzf", "gzip")
+    gzip_level: int = 4
+    shard_max_mb: float = 512.0
+    chunk_tokens: int = 1 << 16
+    # HDF5 file locking fails on some Lustre/NFS mounts; turn it off there.
+    locking: bool = True
+    # fsync after every flush: survives power loss, not only a killed process.
+    fsync: bool = False
+
+
+@dataclass(frozen=True)
+class TaskSourceConfig:
+    kind: str = choice("arithmetic", "arithmetic", "jsonl")
+    path: str = ""  # jsonl: one {"prompt": ..., "answer": ...} object per line
+    seed: int = 0
+    # arithmetic: operands are drawn from [0, max_operand]
+    max_operand: int = 20
+    # Number of held-out prompts never handed out for training (evaluation split).
+    heldout: int = 200
+    # Rollouts per task (one GRPO group).
+    group_size: int = 8
+    # Stop handing out tasks after this many (0 = unlimited, cycling through the source).
+    max_tasks: int = 0
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    name: str
+    max_staleness: int = runtime(2)  # max version lag at lease and at consumption
+    buffer_capacity: int = runtime(4096)  # samples buffered before leases pause
+    filter_zero_advantage: bool = runtime(True)
+    keep_versions: int = runtime(3)  # weight retention: last K published versions
+    # Workflow role within an episode (single-policy workflows need only one).
+    role: str = "policy"
+
+
+@dataclass(frozen=True)
+class Config:
+    policies: tuple[PolicyConfig, ...]
+    run: RunConfig = RunConfig()
+    dataflow: DataflowConfig = DataflowConfig()
+    store: StoreConfig = StoreConfig()
+    tasks: TaskSourceConfig = TaskSourceConfig()
+
+    def policy(self, name: str) -> PolicyConfig:
+        for p in self.policies:
+            if p.name == name:
+                return p
+        raise KeyError(f"unknown policy {name!r}; configured: {[p.name for p in self.policies]}")
+
+    @property
+    def policy_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.policies)

@@ -1,0 +1,136 @@
+"""Per-policy trajectory buffers and the served/consumed ledger.
+
+A stored sample is in exactly one state: READY (in the buffer), FILTERED (zero advantage,
+never served), SERVED (in a batch not yet acknowledged), CONSUMED (a trainer step
+acknowledged it) or DROPPED (beyond the staleness bound when it came up for serving).
+
+Served is not trained: `served[step]` is what a batch request for that step was given, and
+`consumed[step]` what the trainer acknowledged (journalled). A batch request for a step
+that was consumed before is a replay after a trainer restart and gets the same samples; one
+for a step that was served but not consumed gets the same samples too (a retried request).
+`ready(resume_step)` returns every served-but-unconsumed sample to the front of the buffer.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+READY, FILTERED, SERVED, CONSUMED, DROPPED = range(5)
+STATE_NAMES = ("ready", "filtered", "served", "consumed", "dropped")
+
+
+@dataclass
+class SampleInfo:
+    """What the buffer needs about a sample; the payload is kept only while it may be served."""
+    sample_id: int
+    task_id: int
+    version_min: int
+    advantage: float
+    group_mean: float
+    group_std: float
+    loc: tuple[int, int]
+    payload: Any = None  # the Trajectory, while READY/SERVED; reloaded from the shard if None
+    state: int = READY
+
+
+@dataclass
+class PolicyBuffer:
+    name: str
+    max_staleness: int
+    capacity: int
+    samples: dict[int, SampleInfo] = field(default_factory=dict)
+    ready: deque[int] = field(default_factory=deque)
+    served: dict[int, list[int]] = field(default_factory=dict)
+    consumed: dict[int, list[int]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("stored", "served", "consumed", "dropped_stale", "filtered", "replayed"), 0))
+    trainer_step: int = 0
+    trainer_version: int = 0
+
+    def add(self, info: SampleInfo, filtered: bool) -> None:
+        self.samples[info.sample_id] = info
+        self.counts["stored"] += 1
+        if filtered:
+            info.state, info.payload = FILTERED, None
+            self.counts["filtered"] += 1
+        else:
+            self.ready.append(info.sample_id)
+
+    @property
+    def buffered(self) -> int:
+        return len(self.ready)
+
+    def has_room(self, expected: int) -> bool:
+        return len(self.ready) + expected <= self.capacity
+
+    def take(self, step: int, n: int, trainer_version: int) -> list[int] | None:
+        """Fresh samples for a new step, or None if fewer than n are ready (caller waits)."""
+        floor = trainer_version - self.max_staleness
+        picked: list[int] = []
+        while self.ready and len(picked) < n:
+            sid = self.ready.popleft()
+            info = self.samples[sid]
+            if info.state != READY:
+                continue
+            if info.version_min < floor:
+                info.state, info.payload = DROPPED, None
+                self.counts["dropped_stale"] += 1
+                continue
+            picked.append(sid)
+        if len(picked) < n:
+            self.ready.extendleft(reversed(picked))
+            return None
+        for sid in picked:
+            self.samples[sid].state = SERVED
+        self.served[step] = picked
+        self.counts["served"] += len(picked)
+        return picked
+
+    def consume(self, step: int, ids: list[int]) -> str | None:
+        """Record a trainer step's acknowledgement; returns an error text if it does not fit."""
+        expected = self.served.get(step) or self.consumed.get(step)
+        if expected is not None and sorted(expected) != sorted(ids):
+            return f"step {step} was served {len(expected)} other samples"
+        for sid in ids:
+            info = self.samples.get(sid)
+            if info is None:
+                return f"unknown sample {sid}"
+            if info.state == CONSUMED and sid not in (self.consumed.get(step) or ()):
+                return f"sample {sid} was already consumed by another step"
+        for sid in ids:
+            info = self.samples[sid]
+            if info.state == READY:
+                info.state = SERVED  # acknowledged without a visible serve (dataflow restarted)
+            if info.state != CONSUMED:
+                self.counts["consumed"] += 1
+            info.state, info.payload = CONSUMED, None
+        self.served.pop(step, None)
+        self.consumed[step] = list(ids)
+        self.trainer_step = max(self.trainer_step, step)
+        return None
+
+    def trainer_restarted(self, resume_step: int) -> list[int]:
+        """Return unacknowledged samples to the buffer; list the steps that will be replayed."""
+        for step in sorted(self.served, reverse=True):
+            for sid in reversed(self.served[step]):
+                info = self.samples[sid]
+                if info.state == SERVED:
+                    info.state = READY
+                    self.ready.appendleft(sid)
+        self.served.clear()
+        self.trainer_step = resume_step
+        return sorted(s for s in self.consumed if s > resume_step)
+
+    def state_counts(self) -> dict[str, int]:
+        states = np.fromiter((i.state for i in self.samples.values()), dtype=np.int8, count=len(self.samples))
+        return {STATE_NAMES[s]: int((states == s).sum()) for s in range(len(STATE_NAMES))}
+
+
+def group_stats(rewards: np.ndarray) -> tuple[float, float, np.ndarray]:
+    """GRPO group normalisation: mean, std and per-sample advantages (r - mean) / (std + eps)."""
+    mean = float(rewards.mean())
+    std = float(rewards.std())
+    return mean, std, (rewards - mean) / (std + 1e-6)

@@ -1,0 +1,102 @@
+"""Task table: queued -> leased -> done, with leases on the dataflow rank's monotonic clock.
+
+Invariants:
+- a task id is in at most one of `queued`, `leased`, `done`;
+- a lease is a duration measured here, never a wall-clock deadline sent by a peer;
+- an expired lease returns the task to the front of the queue (it is the oldest work);
+- the first commit of a task wins; any later commit of it is a duplicate, whoever holds it.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Lease:
+    worker: str
+    deadline: float
+    serial: int  # distinguishes this lease from earlier ones of the same task
+    versions: dict[str, int] = field(default_factory=dict)
+
+
+class TaskTable:
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.next_id = 0  # the next fresh task id
+        self.queued: deque[int] = deque()  # handed back / expired tasks, served first
+        self.leased: dict[int, Lease] = {}
+        self.done: set[int] = set()
+        self.requeued = 0
+        self._heap: list[tuple[float, int, int]] = []
+        self._serial = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return not self.queued and self.limit is not None and self.next_id >= self.limit
+
+    def take(self) -> int | None:
+        while self.queued:
+            tid = self.queued.popleft()
+            if tid not in self.done and tid not in self.leased:
+                return tid
+        if self.limit is not None and self.next_id >= self.limit:
+            return None
+        self.next_id += 1
+        return self.next_id - 1
+
+    def lease(self, tid: int, worker: str, now: float, duration: float, versions: dict[str, int]) -> Lease:
+        self._serial += 1
+        lease = Lease(worker, now + duration, self._serial, dict(versions))
+        self.leased[tid] = lease
+        heapq.heappush(self._heap, (lease.deadline, tid, lease.serial))
+        return lease
+
+    def renew(self, tid: int, worker: str, now: float, duration: float) -> bool:
+        lease = self.leased.get(tid)
+        if lease is None or lease.worker != worker:
+            return False
+        lease.deadline = now + duration
+        heapq.heappush(self._heap, (lease.deadline, tid, lease.serial))
+        return True
+
+    def release(self, tid: int, worker: str | None = None) -> bool:
+        """Put a leased task back at the front of the queue (worker gone, drained, expired)."""
+        lease = self.leased.get(tid)
+        if lease is None or (worker is not None and lease.worker != worker):
+            return False
+        del self.leased[tid]
+        self.queued.appendleft(tid)
+        self.requeued += 1
+        return True
+
+    def expire(self, now: float) -> list[int]:
+        expired = []
+        while self._heap and self._heap[0][0] <= now:
+            deadline, tid, serial = heapq.heappop(self._heap)
+            lease = self.leased.get(tid)
+            if lease is not None and lease.serial == serial and lease.deadline <= now:
+                self.release(tid)
+                expired.append(tid)
+        return expired
+
+    def complete(self, tid: int) -> Lease | None:
+        """Mark committed; returns the lease that was open on it, if any."""
+        self.done.add(tid)
+        return self.leased.pop(tid, None)
+
+    def next_deadline(self) -> float | None:
+        while self._heap:
+            deadline, tid, serial = self._heap[0]
+            lease = self.leased.get(tid)
+            if lease is not None and lease.serial == serial and lease.deadline == deadline:
+                return deadline
+            heapq.heappop(self._heap)
+        return None
+
+    def recover(self, done: set[int], high_water: int) -> None:
+        """After a restart: everything below the high-water mark that is not done is queued."""
+        self.done = set(done)
+        self.next_id = max(high_water, max(done, default=-1) + 1)
+        self.queued = deque(t for t in range(self.next_id) if t not in self.done)

@@ -1,0 +1,394 @@
+"""The dataflow rank's state machine: one method per request, no sockets, no threads.
+
+`handle(request, now)` returns the reply, or `None` for a batch request that must wait
+(the server parks it and calls `handle` again later). Nothing here is acknowledged before the
+server has flushed the store and the journal: the server sends replies only after
+`flush()`, so a reply never promises something a SIGKILL could take back.
+
+Recovery (`recover()`) rebuilds everything from the shards and the journal: committed tasks
+and samples from the shards, consumed steps, trainer restarts, published weights, worker
+restart counters and the task high-water mark from the journal.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from astraflow.config.schema import Config
+from astraflow.dataflow.buffers import CONSUMED, FILTERED, READY, PolicyBuffer, SampleInfo, group_stats
+from astraflow.dataflow.leases import TaskTable
+from astraflow.dataflow.status import WaitTracker, build_status
+from astraflow.dataflow.tasks import TaskSource
+from astraflow.dataflow.weights import WeightRegistry
+from astraflow.dataflow.workers import WorkerRegistry
+from astraflow.protocol import messages as m
+from astraflow.store.journal import Journal, replay
+from astraflow.store.shards import ShardStore
+from astraflow.store.writer import RowBatch, StoreOptions
+
+log = logging.getLogger(__name__)
+
+TASK_HWM_BLOCK = 1024  # task ids are journalled in blocks: one journal line per 1024 tasks
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def store_options(cfg: Config) -> StoreOptions:
+    s = cfg.store
+    return StoreOptions(compression=s.compression, gzip_level=s.gzip_level,
+                        shard_max_bytes=int(s.shard_max_mb * (1 << 20)), chunk_tokens=s.chunk_tokens,
+                        locking=s.locking, fsync=s.fsync)
+
+
+class DataflowState:
+    def __init__(self, run_dir: Path, cfg: Config, clock=time.monotonic) -> None:
+        self.run_dir = Path(run_dir)
+        self.cfg = cfg
+        self.clock = clock
+        self.started = clock()
+        self.policy_names = cfg.policy_names
+        self.policy_index = {p: i for i, p in enumerate(self.policy_names)}
+        self.source = TaskSource(cfg.tasks)
+        self.tasks = TaskTable(limit=self.source.limit)
+        self.buffers = {p.name: PolicyBuffer(p.name, p.max_staleness, p.buffer_capacity) for p in cfg.policies}
+        self.workers = WorkerRegistry()
+        self.weights = WeightRegistry(self.run_dir / "weights", {p.name: p.keep_versions for p in cfg.policies})
+        self.store = ShardStore(self.run_dir / "shards", self.policy_names, store_options(cfg))
+        self.journal = Journal(self.run_dir / "journal", fsync=cfg.store.fsync)
+        self.waits = {p: WaitTracker() for p in self.policy_names}
+        self.trainers: dict[str, dict[str, Any]] = {}
+        self.counters: Counter[str] = Counter()
+        self.lost_samples = 0
+        self.next_sample_id = 0
+        self.task_hwm = 0
+        self.incarnation = 0
+        self._handlers = {
+            m.Register: self._register, m.Heartbeat: self._heartbeat, m.Lease: self._lease,
+            m.Renew: self._renew, m.Commit: self._commit, m.Release: self._release,
+            m.Weights: self._weights, m.Ready: self._ready, m.Batch: self._batch,
+            m.Consumed: self._consumed, m.Published: self._published, m.Status: self._status,
+        }
+
+    # ================================================================ recovery
+    def recover(self) -> None:
+        infos: dict[str, dict[int, SampleInfo]] = {p: {} for p in self.policy_names}
+        groups: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
+        done: set[int] = set()
+        for idx, reader, rows in self.store.recover():
+            names = reader.policy_names
+            for r in range(len(rows["sample_id"])):
+                sid, tid = int(rows["sample_id"][r]), int(rows["task_id"][r])
+                policy = names[int(rows["policy"][r])]
+                infos[policy][sid] = SampleInfo(sid, tid, int(rows["version_min"][r]), 0.0, 0.0, 0.0, (idx, r))
+                groups[(tid, self.policy_index[policy])].append((sid, float(rows["reward"][r])))
+                done.add(tid)
+                self.next_sample_id = max(self.next_sample_id, sid + 1)
+        for (tid, pi), members in groups.items():
+            policy = self.policy_names[pi]
+            rewards = np.array([r for _, r in members], dtype=np.float64)
+            mean, std, adv = group_stats(rewards)
+            filtered = self._filtered(policy, rewards, std)
+            for (sid, _), a in zip(members, adv):
+                info = infos[policy][sid]
+                info.advantage, info.group_mean, info.group_std = float(a), mean, std
+                info.state = FILTERED if filtered else READY
+        high_water = 0
+        for ev in replay(self.run_dir / "journal"):
+            kind = ev.get("ev")
+            if kind == "start":
+                self.incarnation = ev["incarnation"]
+            elif kind == "tasks":
+                high_water = max(high_water, ev["hwm"])
+            elif kind == "register":
+                self.workers.restarts[ev["base"]] = ev["k"]
+            elif kind == "published":
+                self.weights.publish(ev["policy"], ev["version"], ev["uri"], ev["pinned"], delete=False)
+            elif kind == "ready":
+                self.buffers[ev["policy"]].trainer_step = ev["resume_step"]
+            elif kind == "consumed":
+                buf, pinfo = self.buffers[ev["policy"]], infos[ev["policy"]]
+                present = [s for s in ev["ids"] if s in pinfo]
+                self.lost_samples += len(ev["ids"]) - len(present)
+                for sid in present:
+                    pinfo[sid].state = CONSUMED
+                buf.consumed[ev["step"]] = present
+                buf.trainer_step = max(buf.trainer_step, ev["step"])
+        for policy, pinfo in infos.items():
+            buf = self.buffers[policy]
+            for sid in sorted(pinfo):
+                info = pinfo[sid]
+                buf.samples[sid] = info
+                buf.counts["stored"] += 1
+                if info.state == READY:
+                    buf.ready.append(sid)
+                elif info.state == FILTERED:
+                    buf.counts["filtered"] += 1
+                else:
+                    buf.counts["consumed"] += 1
+        self.task_hwm = high_water
+        self.tasks.recover(done, high_water)
+        self.incarnation += 1
+        self.journal.append("start", incarnation=self.incarnation, time=time.time())
+        self.journal.flush()
+        log.info("recovered: %d tasks done, %d samples, %d queued tasks, %d quarantined shards",
+                 len(done), self.next_sample_id, len(self.tasks.queued), len(self.store.quarantined))
+
+    def _filtered(self, policy: str, rewards: np.ndarray, std: float) -> bool:
+        return self.cfg.policy(policy).filter_zero_advantage and len(rewards) > 1 and std == 0.0
+
+    # ================================================================ dispatch
+    def handle(self, request: Any, now: float | None = None, count: bool = True) -> Any:
+        now = self.clock() if now is None else now
+        if count:
+            self.counters[type(request).__name__.lower()] += 1
+        try:
+            return self._handlers[type(request)](request, now)
+        except RequestError as e:
+            self.counters[f"error_{e.code}"] += 1
+            return m.Error(e.code, str(e))
+
+    def flush(self) -> None:
+        """Make everything handled so far durable. Replies may be sent only after this."""
+        self.store.flush()
+        self.journal.flush()
+
+    def tick(self, now: float | None = None) -> None:
+        """Expire leases and declare silent workers dead."""
+        now = self.clock() if now is None else now
+        expired = self.tasks.expire(now)
+        if expired:
+            self.counters["leases_expired"] += len(expired)
+        for w in self.workers.sweep(now, self.cfg.dataflow.heartbeat_timeout_s):
+            released = [t for t, lease in list(self.tasks.leased.items()) if lease.worker == w.worker_id]
+            for t in released:
+                self.tasks.release(t)
+            self.counters["workers_dead"] += 1
+            log.warning("worker %s silent for %.0fs: declared dead, %d leases handed back",
+                        w.worker_id, now - w.last_seen, len(released))
+
+    def next_deadline(self) -> float | None:
+        return self.tasks.next_deadline()
+
+    def close(self) -> None:
+        self.store.close()
+        self.journal.close()
+
+    # ================================================================ workers
+    def _check_protocol(self, version: int) -> None:
+        if version != m.PROTOCOL_VERSION:
+            raise RequestError("version_mismatch",
+                               f"peer speaks protocol {version}, this dataflow rank speaks "
+                               f"{m.PROTOCOL_VERSION}; run the same AstraFlow version on both sides")
+
+    def _check_policies(self, policies: list[str]) -> None:
+        unknown = [p for p in policies if p not in self.policy_index]
+        if unknown:
+            raise RequestError("bad_request", f"unknown policies {unknown}; this run has {list(self.policy_names)}")
+
+    def _worker(self, worker_id: str, now: float):
+        info = self.workers.seen(worker_id, now)
+        if info is None:
+            raise RequestError("unknown_worker", f"worker {worker_id!r} is not registered (or was declared dead); register again")
+        return info
+
+    def _register(self, req: m.Register, now: float) -> m.RegisterReply:
+        self._check_protocol(req.protocol_version)
+        self._check_policies(req.policies)
+        if not req.worker_id or req.capacity < 1:
+            raise RequestError("bad_request", "worker_id must be non-empty and capacity >= 1")
+        info = self.workers.register(req.worker_id, now, policies=tuple(req.policies), capacity=req.capacity,
+                                     hardware=req.hardware, partition=req.partition, host=req.host)
+        for old in self.workers.previous_incarnations(info):
+            old.alive = False
+            for t in [t for t, lease in self.tasks.leased.items() if lease.worker == old.worker_id]:
+                self.tasks.release(t)
+        self.journal.append("register", base=req.worker_id, k=self.workers.restarts[req.worker_id],
+                            worker=info.worker_id, partition=req.partition, hardware=req.hardware,
+                            host=req.host, time=time.time())
+        hb = self.cfg.dataflow.heartbeat_timeout_s
+        return m.RegisterReply(info.worker_id, self.cfg.dataflow.lease_s, hb / 3)
+
+    def _heartbeat(self, req: m.Heartbeat, now: float) -> m.Ok:
+        self._worker(req.worker_id, now).versions = dict(req.versions)
+        return m.Ok()
+
+    def _lease(self, req: m.Lease, now: float) -> m.LeaseReply:
+        worker = self._worker(req.worker_id, now)
+        worker.versions = dict(req.versions)
+        needed = self.policy_names
+        if not set(needed) <= set(worker.policies):
+            return m.LeaseReply([], 5.0, "no_matching_policies")
+        for p in needed:
+            latest = self.weights.latest(p)[0]
+            if latest >= 0 and latest - req.versions.get(p, -1) > self.cfg.policy(p).max_staleness:
+                self.counters["lease_refused_stale"] += 1
+                return m.LeaseReply([], 0.5, "stale_weights")
+        group = self.cfg.tasks.group_size
+        tasks: list[m.Task] = []
+        reason = ""
+        for _ in range(max(0, req.n)):
+            inflight = (len(self.tasks.leased) + 1) * group
+            if not all(self.buffers[p].has_room(inflight) for p in needed):
+                reason = "backpressure"
+                break
+            tid = self.tasks.take()
+            if tid is None:
+                reason = "exhausted"
+                break
+            self.tasks.lease(tid, worker.worker_id, now, self.cfg.dataflow.lease_s, req.versions)
+            item = self.source.item(tid)
+            tasks.append(m.Task(tid, self.cfg.dataflow.lease_s, item.prompt, item.answer, group, list(needed)))
+        if self.tasks.next_id > self.task_hwm:
+            self.task_hwm = self.tasks.next_id + TASK_HWM_BLOCK
+            self.journal.append("tasks", hwm=self.task_hwm)
+        if reason == "backpressure":
+            self.counters["lease_backpressure"] += 1
+        return m.LeaseReply(tasks, 0.0 if tasks else 0.2, reason)
+
+    def _renew(self, req: m.Renew, now: float) -> m.RenewReply:
+        self._worker(req.worker_id, now)
+        renewed, lost = [], []
+        for tid in req.task_ids:
+            ok = self.tasks.renew(tid, req.worker_id, now, self.cfg.dataflow.lease_s)
+            (renewed if ok else lost).append(tid)
+        return m.RenewReply(renewed, lost)
+
+    def _release(self, req: m.Release, now: float) -> m.Ok:
+        self._worker(req.worker_id, now)
+        for tid in req.task_ids:
+            self.tasks.release(tid, req.worker_id)
+        return m.Ok()
+
+    def _weights(self, req: m.Weights, now: float) -> m.WeightsReply:
+        self._check_policies([req.policy])
+        return m.WeightsReply(*self.weights.latest(req.policy))
+
+    # ================================================================ commits
+    def _commit(self, req: m.Commit, now: float) -> m.CommitReply:
+        self.workers.seen(req.worker_id, now)  # a commit is a heartbeat; unknown workers may commit
+        tid = req.task_id
+        if tid < 0 or tid >= self.tasks.next_id:
+            raise RequestError("bad_request", f"task {tid} was never handed out")
+        if tid in self.tasks.done:
+            self.counters["duplicate_commits"] += 1
+            return m.CommitReply("duplicate", [])
+        if not req.trajectories:
+            raise RequestError("bad_request", "a commit needs at least one trajectory")
+        n_pol = len(self.policy_names)
+        for i, t in enumerate(req.trajectories):
+            if t.policy not in self.policy_index:
+                raise RequestError("bad_request", f"trajectories.{i}.policy: unknown policy {t.policy!r}")
+            tp = t.token_policy
+            if len(tp) and (tp.min() < -1 or tp.max() >= n_pol):
+                raise RequestError("bad_request", f"trajectories.{i}.token_policy: values must be in [-1, {n_pol})")
+        trajs = req.trajectories
+        n = len(trajs)
+        sids = np.arange(self.next_sample_id, self.next_sample_id + n, dtype=np.int64)
+        self.next_sample_id += n
+        rewards = np.array([t.reward for t in trajs], dtype=np.float64)
+        policy_idx = np.array([self.policy_index[t.policy] for t in trajs], dtype=np.uint8)
+        vmin = np.empty(n, np.int32)
+        vmax = np.empty(n, np.int32)
+        for i, t in enumerate(trajs):
+            own = t.versions[t.loss_mask.astype(bool)]
+            fallback = req.versions.get(t.policy, -1)
+            vmin[i] = own.min() if len(own) else fallback
+            vmax[i] = own.max() if len(own) else fallback
+        latest = np.array([self.weights.latest(t.policy)[0] for t in trajs], dtype=np.int32)
+        lengths = np.array([len(t.tokens) for t in trajs], dtype=np.int32)
+        worker = req.worker_id.encode()[:64]
+        batch = RowBatch(
+            tokens={"tokens": np.concatenate([t.tokens for t in trajs]),
+                    "logprobs": np.concatenate([t.logprobs for t in trajs]),
+                    "loss_mask": np.concatenate([t.loss_mask for t in trajs]),
+                    "versions": np.concatenate([t.versions for t in trajs]),
+                    "token_policy": np.concatenate([t.token_policy for t in trajs])},
+            rows={"sample_id": sids, "task_id": np.full(n, tid, np.int64),
+                  "episode_id": np.array([t.episode_id for t in trajs], np.int64),
+                  "group_id": np.array([t.group_id for t in trajs], np.int64),
+                  "policy": policy_idx, "worker": np.full(n, worker, dtype="S64"), "length": lengths,
+                  "reward": rewards.astype(np.float32),
+                  "gen_s": np.array([t.gen_s for t in trajs], np.float32),
+                  "t_commit": np.full(n, time.time()), "version_min": vmin, "version_max": vmax,
+                  "version_at_commit": latest},
+            meta=[json.dumps(t.meta, separators=(",", ":"), default=str).encode() if t.meta else b"" for t in trajs],
+        )
+        locs = self.store.append(batch)
+        for pi in np.unique(policy_idx):
+            policy = self.policy_names[pi]
+            members = np.flatnonzero(policy_idx == pi)
+            mean, std, adv = group_stats(rewards[members])
+            filtered = self._filtered(policy, rewards[members], std)
+            buf = self.buffers[policy]
+            for j, a in zip(members, adv):
+                buf.add(SampleInfo(int(sids[j]), tid, int(vmin[j]), float(a), mean, std, locs[j], trajs[j]), filtered)
+        self.tasks.complete(tid)
+        self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
+        return m.CommitReply("stored", sids.tolist())
+
+    # ================================================================ trainers
+    def _ready(self, req: m.Ready, now: float) -> m.ReadyReply:
+        self._check_protocol(req.protocol_version)
+        self._check_policies([req.policy])
+        replay_steps = self.buffers[req.policy].trainer_restarted(req.resume_step)
+        self.trainers[req.policy] = {"hardware": req.hardware, "partition": req.partition,
+                                     "world": req.world, "resume_step": req.resume_step, "since": time.time()}
+        self.journal.append("ready", policy=req.policy, resume_step=req.resume_step, hardware=req.hardware,
+                            partition=req.partition, world=req.world, time=time.time())
+        return m.ReadyReply(replay_steps, self.weights.latest(req.policy)[0])
+
+    def _batch(self, req: m.Batch, now: float) -> m.BatchReply | None:
+        self._check_policies([req.policy])
+        if req.n < 1 or req.world < 1 or not 0 <= req.rank < req.world:
+            raise RequestError("bad_request", "need n >= 1 and 0 <= rank < world")
+        buf = self.buffers[req.policy]
+        replay = req.step in buf.consumed
+        ids = buf.consumed.get(req.step) or buf.served.get(req.step)
+        if ids is None:
+            if buf.buffered < req.n and self.tasks.exhausted and not self.tasks.leased:
+                raise RequestError("exhausted", f"only {buf.buffered} samples left and no tasks remain")
+            ids = buf.take(req.step, req.n, req.version)
+            if ids is None:
+                return None
+        if replay:
+            buf.counts["replayed"] += len(ids)
+        samples = [self._sample(buf.samples[sid]) for sid in ids[req.rank::req.world]]
+        return m.BatchReply(req.step, samples, replay)
+
+    def _sample(self, info: SampleInfo) -> m.Sample:
+        traj = info.payload
+        if traj is None:
+            rec = self.store.read(info.loc)
+            traj = m.Trajectory(rec["policy"], rec["tokens"], rec["logprobs"], rec["loss_mask"], rec["versions"],
+                                rec["token_policy"], rec["reward"], rec["episode_id"], rec["group_id"], rec["gen_s"],
+                                rec["meta"])
+        return m.Sample(info.sample_id, info.task_id, traj, info.advantage, info.group_mean, info.group_std)
+
+    def _consumed(self, req: m.Consumed, now: float) -> m.Ok:
+        self._check_policies([req.policy])
+        err = self.buffers[req.policy].consume(req.step, req.sample_ids)
+        if err:
+            raise RequestError("conflict", f"consumed(policy={req.policy}, step={req.step}): {err}")
+        self.journal.append("consumed", policy=req.policy, step=req.step, ids=req.sample_ids)
+        return m.Ok()
+
+    def _published(self, req: m.Published, now: float) -> m.Ok:
+        self._check_policies([req.policy])
+        self.weights.publish(req.policy, req.version, req.uri, req.pinned)
+        self.buffers[req.policy].trainer_version = req.version
+        self.journal.append("published", policy=req.policy, version=req.version, uri=req.uri,
+                            pinned=req.pinned, time=time.time())
+        return m.Ok()
+
+    def _status(self, req: m.Status, now: float) -> m.StatusReply:
+        return m.StatusReply(build_status(self, now))

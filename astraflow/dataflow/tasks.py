@@ -1,0 +1,90 @@
+"""Prompt sources: where tasks come from.
+
+A source is a fixed list of (prompt, answer) items split once, by a seeded permutation, into
+a held-out evaluation split (never handed out for training) and the training split. Task
+ids are dense integers; task `i` is training item `perm_e[i % n]` of epoch `e = i // n`,
+each epoch with its own seeded permutation. The mapping is a pure function of the config,
+so a restarted dataflow rank hands out exactly the same task for the same id.
+
+Registry: `SOURCES` (explicit table, name -> builder).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from astraflow.config.loader import ConfigError
+from astraflow.config.schema import TaskSourceConfig
+
+
+@dataclass(frozen=True)
+class Item:
+    prompt: str
+    answer: str
+
+
+def arithmetic_items(cfg: TaskSourceConfig) -> list[Item]:
+    """Every `a+b=` and `a-b=` (non-negative results) with operands in [0, max_operand]."""
+    m = cfg.max_operand
+    items = [Item(f"{a}+{b}=", str(a + b)) for a in range(m + 1) for b in range(m + 1)]
+    items += [Item(f"{a}-{b}=", str(a - b)) for a in range(m + 1) for b in range(a + 1)]
+    return items
+
+
+def jsonl_items(cfg: TaskSourceConfig) -> list[Item]:
+    path = Path(cfg.path)
+    items = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read prompts: {e.strerror}") from None
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{no}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ConfigError(f"{path}:{no}: expected an object with a string \"prompt\"")
+        answer = row.get("answer", "")
+        if not isinstance(answer, (str, int, float)):
+            raise ConfigError(f"{path}:{no}: \"answer\" must be a string or a number")
+        items.append(Item(row["prompt"], str(answer)))
+    return items
+
+
+SOURCES: dict[str, Callable[[TaskSourceConfig], list[Item]]] = {
+    "arithmetic": arithmetic_items,
+    "jsonl": jsonl_items,
+}
+
+
+class TaskSource:
+    def __init__(self, cfg: TaskSourceConfig) -> None:
+        items = SOURCES[cfg.kind](cfg)
+        if len(items) <= cfg.heldout:
+            raise ConfigError(f"tasks: the {cfg.kind} source has {len(items)} items, "
+                              f"not enough for heldout={cfg.heldout} plus training")
+        perm = np.random.default_rng([cfg.seed, 0]).permutation(len(items))
+        self.heldout = [items[i] for i in perm[: cfg.heldout]]
+        self.train = [items[i] for i in perm[cfg.heldout:]]
+        self.cfg = cfg
+        self._epoch_perm: dict[int, np.ndarray] = {}
+
+    @property
+    def limit(self) -> int | None:
+        return self.cfg.max_tasks or None
+
+    def item(self, task_id: int) -> Item:
+        n = len(self.train)
+        epoch, i = divmod(task_id, n)
+        perm = self._epoch_perm.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.cfg.seed, 1, epoch]).permutation(n)
+            self._epoch_perm = {epoch: perm}  # tasks are drawn in order: keep one epoch
+        return self.train[int(perm[i])]

@@ -1,0 +1,127 @@
+"""Reading shards: the dataflow rank's recovery, `astraflow inspect` and post-hoc analysis.
+
+Shards are always opened in SWMR-read mode: that reads a live shard (call `refresh()` to see
+new rows), a closed one, and one whose writer was killed (a plain open refuses it). On
+filesystems without POSIX write ordering (NFS) SWMR is not safe for a live shard; readers
+there should use only closed shards (`closed_only=True` in `load_rows`).
+
+A shard that cannot be opened or whose row table points outside its token arrays is
+reported as `ShardCorrupt`; the caller quarantines it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import h5py
+import numpy as np
+
+from astraflow.store.schema import META_COLUMN, ROW_COLUMNS, SCHEMA_VERSION, TOKEN_COLUMNS
+from astraflow.store.writer import list_shards
+
+
+class ShardCorrupt(Exception):
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = path, why
+
+
+class ShardReader:
+    def __init__(self, path: Path, locking: bool = False, file: h5py.File | None = None) -> None:
+        self.path = Path(path)
+        try:
+            self.file = file if file is not None else h5py.File(self.path, "r", swmr=True, locking=locking)
+            version = int(self.file.attrs["schema_version"])
+            self.policy_names = tuple(p.decode() for p in self.file.attrs["policy_names"])
+        except (OSError, KeyError, ValueError) as e:
+            raise ShardCorrupt(self.path, f"cannot open: {e}") from None
+        if version != SCHEMA_VERSION:
+            raise ShardCorrupt(self.path, f"schema_version {version}, this code reads {SCHEMA_VERSION}")
+        self.n_rows = 0
+        if file is None:  # a reader over the writer's own open file needs no refresh
+            self.refresh()
+
+    def refresh(self) -> int:
+        """Re-read dataset extents (live shards); returns the number of complete rows."""
+        try:
+            for name in list(TOKEN_COLUMNS) + [META_COLUMN] + [f"rows/{c}" for c in ROW_COLUMNS]:
+                self.file[name].refresh()
+            n = min(self.file[f"rows/{c}"].shape[0] for c in ROW_COLUMNS)
+            if n:
+                end = int(self.file["rows/offset"][n - 1]) + int(self.file["rows/length"][n - 1])
+                if end > self.file["tokens"].shape[0]:
+                    raise ShardCorrupt(self.path, f"row {n - 1} ends at token {end}, past the token arrays")
+        except (OSError, KeyError, ValueError, RuntimeError) as e:
+            raise ShardCorrupt(self.path, f"unreadable: {e}") from None
+        self.n_rows = n
+        return n
+
+    def rows(self, columns: tuple[str, ...] = tuple(ROW_COLUMNS)) -> dict[str, np.ndarray]:
+        try:
+            return {c: self.file[f"rows/{c}"][: self.n_rows] for c in columns}
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ShardCorrupt(self.path, f"row table unreadable: {e}") from None
+
+    def trajectory(self, row: int) -> dict[str, Any]:
+        """One stored row with its per-token arrays and decoded metadata."""
+        r = {c: self.file[f"rows/{c}"][row] for c in ROW_COLUMNS}
+        lo, n = int(r["offset"]), int(r["length"])
+        out: dict[str, Any] = {c: self.file[c][lo:lo + n] for c in TOKEN_COLUMNS}
+        mlo, mn = int(r["meta_offset"]), int(r["meta_length"])
+        out["meta"] = json.loads(self.file[META_COLUMN][mlo:mlo + mn].tobytes() or b"{}")
+        out.update({k: v.item() if hasattr(v, "item") else v for k, v in r.items()})
+        out["worker"] = r["worker"].decode()
+        out["policy"] = self.policy_names[int(r["policy"])]
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def iter_shards(run_dir: Path) -> Iterator[Path]:
+    yield from list_shards(Path(run_dir) / "shards")
+
+
+def load_rows(run_dir: str | Path, closed_only: bool = False) -> "Any":
+    """All stored trajectories of a run as a pandas DataFrame (one row per trajectory).
+
+    Columns: the row table plus `policy` as a name, `shard`, `row`. Skips unreadable shards
+    (they are listed in `df.attrs["skipped"]`).
+    """
+    import pandas as pd
+
+    frames, skipped = [], []
+    shards = list(iter_shards(Path(run_dir)))
+    if closed_only and shards:
+        shards = shards[:-1]
+    for path in shards:
+        try:
+            reader = ShardReader(path)
+        except ShardCorrupt as e:
+            skipped.append(str(e))
+            continue
+        try:
+            cols = reader.rows()
+        except ShardCorrupt as e:
+            skipped.append(str(e))
+            continue
+        finally:
+            reader.close()
+        df = pd.DataFrame({k: v for k, v in cols.items()})
+        df["policy"] = [reader.policy_names[i] for i in cols["policy"]]
+        df["worker"] = df["worker"].str.decode("utf-8")
+        df["shard"] = path.name
+        df["row"] = np.arange(len(df))
+        frames.append(df)
+    out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(ROW_COLUMNS))
+    out.attrs["skipped"] = skipped
+    return out
+
+
+def load_trajectory(run_dir: str | Path, shard: str, row: int) -> dict[str, Any]:
+    reader = ShardReader(Path(run_dir) / "shards" / shard)
+    try:
+        return reader.trajectory(row)
+    finally:
+        reader.close()

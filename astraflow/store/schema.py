@@ -1,0 +1,51 @@
+"""HDF5 shard layout (schema_version 1).
+
+A shard is flat: per-token arrays of all its trajectories are concatenated, and a
+per-trajectory ("row") table of equal-length 1-D datasets indexes them with `offset`/`length`.
+Free metadata is JSON, concatenated into the byte dataset `meta_bytes` (flat too: filters do
+nothing on variable-length HDF5 types, and SWMR forbids creating anything once writing
+starts). File attributes (`schema_version`, `policy_names`, `created`) are written before
+SWMR mode is switched on and never after.
+
+The number of rows in a shard is the length of its shortest row dataset: a writer killed in
+the middle of a flush can leave some datasets longer than others, and those extra rows were
+never acknowledged.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+TOKEN_COLUMNS: dict[str, np.dtype] = {
+    "tokens": np.dtype("<i4"),
+    "logprobs": np.dtype("<f4"),
+    "loss_mask": np.dtype("u1"),
+    "versions": np.dtype("<i4"),
+    "token_policy": np.dtype("i1"),
+}
+
+ROW_COLUMNS: dict[str, np.dtype] = {
+    "sample_id": np.dtype("<i8"),
+    "task_id": np.dtype("<i8"),
+    "episode_id": np.dtype("<i8"),
+    "group_id": np.dtype("<i8"),
+    "policy": np.dtype("u1"),  # index into the shard's `policy_names` attribute
+    "worker": np.dtype("S64"),
+    "offset": np.dtype("<i8"),  # into the token datasets of this shard
+    "length": np.dtype("<i4"),
+    "reward": np.dtype("<f4"),
+    "gen_s": np.dtype("<f4"),
+    "t_commit": np.dtype("<f8"),  # dataflow rank's wall clock when stored
+    "version_min": np.dtype("<i4"),  # over this policy's generated tokens
+    "version_max": np.dtype("<i4"),
+    "version_at_commit": np.dtype("<i4"),  # latest published version of the policy then
+    "meta_offset": np.dtype("<i8"),
+    "meta_length": np.dtype("<i4"),
+}
+
+META_COLUMN = "meta_bytes"
+
+# Columns the dataflow rank supplies for each appended batch (the store fills in
+# the offsets and `meta_length`).
+INPUT_ROW_COLUMNS = tuple(c for c in ROW_COLUMNS if c not in ("offset", "meta_offset", "meta_length"))

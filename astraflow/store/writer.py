@@ -1,0 +1,151 @@
+"""The single writer of HDF5 trajectory shards.
+
+`append()` stages a batch of trajectories in memory and returns where each will live;
+`flush()` writes every staged batch into the active shard and flushes it (and fsyncs when
+configured). Only after `flush()` returns may the caller acknowledge those trajectories: a
+SIGKILL at any later instant keeps them (SWMR keeps the file readable up to the last flush).
+The active shard is rotated at a size limit, only at flush boundaries. A shard that was
+being written when its writer died is never reopened for writing: the next writer starts a
+new shard (`shard-NNNNNN.h5`, numbered after the highest existing one).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from astraflow.store.schema import (INPUT_ROW_COLUMNS, META_COLUMN, ROW_COLUMNS, SCHEMA_VERSION,
+                                    TOKEN_COLUMNS)
+
+ROW_CHUNK = 4096
+
+
+@dataclass
+class RowBatch:
+    """Trajectories to append: concatenated per-token arrays, one entry per row elsewhere."""
+    tokens: dict[str, np.ndarray]
+    rows: dict[str, np.ndarray]
+    meta: list[bytes] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.rows["sample_id"])
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    compression: str = "none"  # none | lzf | gzip
+    gzip_level: int = 4
+    shard_max_bytes: int = 512 << 20
+    chunk_tokens: int = 1 << 16
+    locking: bool = True
+    fsync: bool = False
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.h5"
+
+
+def shard_index(path: Path) -> int:
+    return int(path.stem.split("-")[1])
+
+
+def list_shards(shard_dir: Path) -> list[Path]:
+    return sorted(shard_dir.glob("shard-*.h5"), key=shard_index)
+
+
+def check_batch(batch: RowBatch) -> None:
+    n = len(batch.rows.get("sample_id", ()))
+    missing = [c for c in INPUT_ROW_COLUMNS if c not in batch.rows] + [c for c in TOKEN_COLUMNS if c not in batch.tokens]
+    if missing:
+        raise ValueError(f"row batch lacks columns {missing}")
+    uneven = [c for c in INPUT_ROW_COLUMNS if len(batch.rows[c]) != n]
+    if uneven or len(batch.meta) != n:
+        raise ValueError(f"row batch columns {uneven or ['meta']} do not have {n} entries")
+    n_tok = len(batch.tokens["tokens"])
+    if any(len(batch.tokens[c]) != n_tok for c in TOKEN_COLUMNS) or int(batch.rows["length"].sum()) != n_tok:
+        raise ValueError("row batch token arrays and lengths disagree")
+
+
+class ShardWriter:
+    def __init__(self, path: Path, policy_names: tuple[str, ...], opts: StoreOptions) -> None:
+        self.path = path
+        self.opts = opts
+        self.file = h5py.File(path, "w", libver="latest", locking=opts.locking)
+        self.file.attrs["schema_version"] = SCHEMA_VERSION
+        self.file.attrs["policy_names"] = np.array(policy_names, dtype="S64")
+        self.file.attrs["created"] = time.time()
+        comp = {"none": {}, "lzf": {"compression": "lzf"},
+                "gzip": {"compression": "gzip", "compression_opts": opts.gzip_level}}[opts.compression]
+        self.ds: dict[str, h5py.Dataset] = {}
+        for name, dtype in TOKEN_COLUMNS.items():
+            self.ds[name] = self.file.create_dataset(
+                name, (0,), maxshape=(None,), dtype=dtype, chunks=(opts.chunk_tokens,), **comp)
+        self.ds[META_COLUMN] = self.file.create_dataset(
+            META_COLUMN, (0,), maxshape=(None,), dtype="u1", chunks=(1 << 14,), **comp)
+        for name, dtype in ROW_COLUMNS.items():
+            self.ds[f"rows/{name}"] = self.file.create_dataset(
+                f"rows/{name}", (0,), maxshape=(None,), dtype=dtype, chunks=(ROW_CHUNK,), **comp)
+        self.file.swmr_mode = True
+        self.n_rows = 0
+        self.n_tokens = 0
+        self.n_meta = 0
+        self.bytes_written = 0
+        self._staged: list[RowBatch] = []
+
+    def stage(self, batch: RowBatch) -> list[int]:
+        """Queue a batch; returns the row indices it will occupy once flushed.
+
+        A malformed batch is refused here, so that `flush()` cannot fail on it later.
+        """
+        check_batch(batch)
+        first = self.n_rows + sum(len(b) for b in self._staged)
+        self._staged.append(batch)
+        return list(range(first, first + len(batch)))
+
+    @property
+    def pending(self) -> int:
+        return len(self._staged)
+
+    def flush(self) -> None:
+        if not self._staged:
+            return
+        batches, self._staged = self._staged, []
+        tokens = {k: np.concatenate([b.tokens[k] for b in batches]) for k in TOKEN_COLUMNS}
+        rows = {k: np.concatenate([b.rows[k] for b in batches]) for k in INPUT_ROW_COLUMNS}
+        meta = [m for b in batches for m in b.meta]
+        lengths = rows["length"].astype(np.int64)
+        rows["offset"] = self.n_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        meta_len = np.fromiter((len(m) for m in meta), dtype=np.int64, count=len(meta))
+        rows["meta_offset"] = self.n_meta + np.concatenate([[0], np.cumsum(meta_len)[:-1]])
+        rows["meta_length"] = meta_len.astype(np.int32)
+        n_tok = int(lengths.sum())
+        # Token and meta data first, the row table last: a row is only visible to readers
+        # (and to recovery) once the data it points to is already in the file.
+        for name, arr in tokens.items():
+            self._extend(name, self.n_tokens, arr)
+        self._extend(META_COLUMN, self.n_meta, np.frombuffer(b"".join(meta), dtype="u1"))
+        n = sum(len(b) for b in batches)
+        for name in ROW_COLUMNS:
+            self._extend(f"rows/{name}", self.n_rows, rows[name])
+        self.file.flush()
+        if self.opts.fsync:
+            os.fsync(self.file.id.get_vfd_handle())
+        self.n_rows += n
+        self.n_tokens += n_tok
+        self.n_meta += int(meta_len.sum())
+        self.bytes_written += sum(a.nbytes for a in tokens.values()) + int(meta_len.sum())
+
+    def _extend(self, name: str, start: int, arr: np.ndarray) -> None:
+        if len(arr) == 0:
+            return
+        ds = self.ds[name]
+        ds.resize((start + len(arr),))
+        ds[start:start + len(arr)] = arr
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()

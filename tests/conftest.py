@@ -1,0 +1,92 @@
+"""Shared fixtures: real run directories, a real dataflow rank process, real clients."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from astraflow.config.rundir import RunDir
+from astraflow.protocol import messages as m
+from astraflow.protocol.client import Client, read_rendezvous, wait_rendezvous
+
+REPO = Path(__file__).resolve().parents[1]
+
+BASE_CONFIG = """
+run: {name: test, seed: 0}
+dataflow: {interface: loopback, lease_s: 30, heartbeat_timeout_s: 30}
+store: {shard_max_mb: 64}
+tasks: {kind: arithmetic, seed: 0, heldout: 200, group_size: 4}
+policies:
+  - {name: policy, max_staleness: 2, buffer_capacity: 4096}
+"""
+
+
+def make_run(tmp_path: Path, extra: list[str] = (), config: str = BASE_CONFIG) -> RunDir:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(config)
+    return RunDir.create(tmp_path / "run", cfg, list(extra))
+
+
+class DataflowProcess:
+    """`astraflow dataflow` as a real child process."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self.proc: subprocess.Popen | None = None
+        self.log = run.path / "logs" / "dataflow.log"
+
+    def start(self, timeout_s: float = 30.0) -> dict:
+        before = time.time()
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "astraflow.cli.main", "dataflow", "--run-dir", str(self.run.path)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dataflow rank exited {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                info = read_rendezvous(self.run.path)
+                if info["started"] > before and info["pid"] == self.proc.pid:
+                    return info
+            except (FileNotFoundError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(self.log.read_text())
+            time.sleep(0.05)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> RunDir:
+    return make_run(tmp_path)
+
+
+@pytest.fixture
+def dataflow(run: RunDir):
+    proc = DataflowProcess(run)
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def client(run: RunDir, timeout_s: float = 10.0) -> Client:
+    return Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=timeout_s)
+
+
+def register(c: Client, worker_id: str = "w0", policies: tuple[str, ...] = ("policy",)) -> str:
+    reply = c.call(m.Register(m.PROTOCOL_VERSION, worker_id, list(policies), capacity=4, partition="local"))
+    return reply.worker_id
