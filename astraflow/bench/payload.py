@@ -31,3 +31,25 @@ def random_trajectory(rng: np.random.Generator, policy: str, n_tokens: int, prom
                       token_policy=token_policy, reward=float(rng.random() if reward is None else reward),
                       episode_id=int(rng.integers(1 << 62)), group_id=group_id, gen_s=0.0,
                       meta={"crc": payload_crc(tokens, logprobs)})
+
+
+class PayloadPool:
+    """Fresh random trajectories at a fraction of the cost of generating each from scratch.
+
+    A few base trajectories are drawn once; each new one XORs the base tokens with a random
+    32-bit word and shifts the logprobs by a random offset, so every payload is different
+    and stays incompressible, and its CRC is recomputed from the bytes actually sent.
+    """
+
+    def __init__(self, rng: np.random.Generator, policy: str, n_tokens: int, size: int = 16) -> None:
+        self.rng = rng
+        self.base = [random_trajectory(rng, policy, n_tokens) for _ in range(size)]
+
+    def draw(self, group_id: int) -> Trajectory:
+        b = self.base[int(self.rng.integers(len(self.base)))]
+        tokens = b.tokens ^ np.int32(self.rng.integers(1, 1 << 31))
+        logprobs = b.logprobs - np.float32(self.rng.random())
+        return Trajectory(policy=b.policy, tokens=tokens, logprobs=logprobs, loss_mask=b.loss_mask,
+                          versions=b.versions, token_policy=b.token_policy, reward=float(self.rng.random()),
+                          episode_id=int(self.rng.integers(1 << 62)), group_id=group_id, gen_s=0.0,
+                          meta={"crc": payload_crc(tokens, logprobs)})

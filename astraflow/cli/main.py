@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = p.add_subparsers(dest="bench", required=True)
     b = bsub.add_parser("dataflow", help="commit/serve throughput of the dataflow rank over the real protocol")
     b.add_argument("--workers", type=int, default=8)
-    b.add_argument("--clients-per-process", type=int, default=4)
+    b.add_argument("--clients-per-process", type=int, default=8)
     b.add_argument("--seconds", type=float, default=20.0)
     b.add_argument("--tokens", type=int, default=1024)
     b.add_argument("--compression", choices=("none", "lzf", "gzip"), default="none")

@@ -32,7 +32,7 @@ class SampleInfo:
     group_mean: float
     group_std: float
     loc: tuple[int, int]
-    payload: Any = None  # the Trajectory, while READY/SERVED; reloaded from the shard if None
+    payload: Any = None  # (TrajectoryBatch, index) while READY/SERVED; else reread from the shard
     state: int = READY
 
 

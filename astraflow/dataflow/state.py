@@ -29,6 +29,7 @@ from astraflow.dataflow.weights import WeightRegistry
 from astraflow.dataflow.workers import WorkerRegistry
 from astraflow.protocol import messages as m
 from astraflow.store.journal import Journal, replay
+from astraflow.store.schema import TOKEN_COLUMNS
 from astraflow.store.shards import ShardStore
 from astraflow.store.writer import RowBatch, StoreOptions
 
@@ -282,47 +283,18 @@ class DataflowState:
         if tid in self.tasks.done:
             self.counters["duplicate_commits"] += 1
             return m.CommitReply("duplicate", [])
-        if not req.trajectories:
-            raise RequestError("bad_request", "a commit needs at least one trajectory")
-        n_pol = len(self.policy_names)
-        for i, t in enumerate(req.trajectories):
-            if t.policy not in self.policy_index:
-                raise RequestError("bad_request", f"trajectories.{i}.policy: unknown policy {t.policy!r}")
-            tp = t.token_policy
-            if len(tp) and (tp.min() < -1 or tp.max() >= n_pol):
-                raise RequestError("bad_request", f"trajectories.{i}.token_policy: values must be in [-1, {n_pol})")
         trajs = req.trajectories
         n = len(trajs)
-        sids = np.arange(self.next_sample_id, self.next_sample_id + n, dtype=np.int64)
-        self.next_sample_id += n
-        rewards = np.array([t.reward for t in trajs], dtype=np.float64)
-        policy_idx = np.array([self.policy_index[t.policy] for t in trajs], dtype=np.uint8)
-        vmin = np.empty(n, np.int32)
-        vmax = np.empty(n, np.int32)
-        for i, t in enumerate(trajs):
-            own = t.versions[t.loss_mask.astype(bool)]
-            fallback = req.versions.get(t.policy, -1)
-            vmin[i] = own.min() if len(own) else fallback
-            vmax[i] = own.max() if len(own) else fallback
-        latest = np.array([self.weights.latest(t.policy)[0] for t in trajs], dtype=np.int32)
-        lengths = np.array([len(t.tokens) for t in trajs], dtype=np.int32)
-        worker = req.worker_id.encode()[:64]
-        batch = RowBatch(
-            tokens={"tokens": np.concatenate([t.tokens for t in trajs]),
-                    "logprobs": np.concatenate([t.logprobs for t in trajs]),
-                    "loss_mask": np.concatenate([t.loss_mask for t in trajs]),
-                    "versions": np.concatenate([t.versions for t in trajs]),
-                    "token_policy": np.concatenate([t.token_policy for t in trajs])},
-            rows={"sample_id": sids, "task_id": np.full(n, tid, np.int64),
-                  "episode_id": np.array([t.episode_id for t in trajs], np.int64),
-                  "group_id": np.array([t.group_id for t in trajs], np.int64),
-                  "policy": policy_idx, "worker": np.full(n, worker, dtype="S64"), "length": lengths,
-                  "reward": rewards.astype(np.float32),
-                  "gen_s": np.array([t.gen_s for t in trajs], np.float32),
-                  "t_commit": np.full(n, time.time()), "version_min": vmin, "version_max": vmax,
-                  "version_at_commit": latest},
-            meta=[json.dumps(t.meta, separators=(",", ":"), default=str).encode() if t.meta else b"" for t in trajs],
-        )
+        if not n:
+            raise RequestError("bad_request", "a commit needs at least one trajectory")
+        unknown = set(trajs.policy) - set(self.policy_index)
+        if unknown:
+            raise RequestError("bad_request", f"trajectories.policy: unknown policies {sorted(unknown)}")
+        batch, vmin = self._row_batch(req, tid)
+        sids = batch.rows["sample_id"]
+        rewards = batch.rows["reward"].astype(np.float64)
+        policy_idx = batch.rows["policy"]
+        lengths = batch.rows["length"]
         locs = self.store.append(batch)
         for pi in np.unique(policy_idx):
             policy = self.policy_names[pi]
@@ -331,10 +303,39 @@ class DataflowState:
             filtered = self._filtered(policy, rewards[members], std)
             buf = self.buffers[policy]
             for j, a in zip(members, adv):
-                buf.add(SampleInfo(int(sids[j]), tid, int(vmin[j]), float(a), mean, std, locs[j], trajs[j]), filtered)
+                buf.add(SampleInfo(int(sids[j]), tid, int(vmin[j]), float(a), mean, std, locs[j], (trajs, int(j))),
+                        filtered)
         self.tasks.complete(tid)
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
         return m.CommitReply("stored", sids.tolist())
+
+    def _row_batch(self, req: m.Commit, tid: int) -> tuple[RowBatch, np.ndarray]:
+        """Columns for the store, computed with whole-array operations (this is the hot path)."""
+        trajs = req.trajectories
+        n = len(trajs)
+        tp = trajs.token_policy
+        if tp.min() < -1 or tp.max() >= len(self.policy_names):
+            raise RequestError("bad_request", f"token_policy values must be in [-1, {len(self.policy_names)})")
+        starts = trajs.offsets[:-1]
+        own = trajs.loss_mask.astype(bool)
+        vmin = np.minimum.reduceat(np.where(own, trajs.versions, np.iinfo(np.int32).max), starts)
+        vmax = np.maximum.reduceat(np.where(own, trajs.versions, -1), starts)
+        has_own = np.logical_or.reduceat(own, starts)
+        fallback = np.array([req.versions.get(p, -1) for p in trajs.policy], np.int32)
+        vmin = np.where(has_own, vmin, fallback).astype(np.int32)
+        vmax = np.where(has_own, vmax, fallback).astype(np.int32)
+        sids = np.arange(self.next_sample_id, self.next_sample_id + n, dtype=np.int64)
+        self.next_sample_id += n
+        rows = {"sample_id": sids, "task_id": np.full(n, tid, np.int64), "episode_id": trajs.episode_id,
+                "group_id": trajs.group_id,
+                "policy": np.array([self.policy_index[p] for p in trajs.policy], np.uint8),
+                "worker": np.full(n, req.worker_id.encode()[:64], dtype="S64"), "length": trajs.lengths,
+                "reward": trajs.reward, "gen_s": trajs.gen_s, "t_commit": np.full(n, time.time()),
+                "version_min": vmin, "version_max": vmax,
+                "version_at_commit": np.array([self.weights.latest(p)[0] for p in trajs.policy], np.int32)}
+        meta = [json.dumps(x, separators=(",", ":"), default=str).encode() if x else b"" for x in trajs.meta]
+        tokens = {c: getattr(trajs, c) for c in TOKEN_COLUMNS}
+        return RowBatch(tokens, rows, meta), vmin
 
     # ================================================================ trainers
     def _ready(self, req: m.Ready, now: float) -> m.ReadyReply:
@@ -362,17 +363,24 @@ class DataflowState:
                 return None
         if replay:
             buf.counts["replayed"] += len(ids)
-        samples = [self._sample(buf.samples[sid]) for sid in ids[req.rank::req.world]]
-        return m.BatchReply(req.step, samples, replay)
+        infos = [buf.samples[sid] for sid in ids[req.rank::req.world]]
+        return m.BatchReply(
+            req.step, replay, m.TrajectoryBatch.gather([self._payload(i) for i in infos]),
+            sample_ids=np.array([i.sample_id for i in infos], np.int64),
+            task_ids=np.array([i.task_id for i in infos], np.int64),
+            advantages=np.array([i.advantage for i in infos], np.float32),
+            group_mean=np.array([i.group_mean for i in infos], np.float32),
+            group_std=np.array([i.group_std for i in infos], np.float32))
 
-    def _sample(self, info: SampleInfo) -> m.Sample:
-        traj = info.payload
-        if traj is None:
+    def _payload(self, info: SampleInfo) -> tuple[m.TrajectoryBatch, int]:
+        """Where a sample's trajectory is in memory; read back from its shard if it is not."""
+        if info.payload is None:
             rec = self.store.read(info.loc)
             traj = m.Trajectory(rec["policy"], rec["tokens"], rec["logprobs"], rec["loss_mask"], rec["versions"],
                                 rec["token_policy"], rec["reward"], rec["episode_id"], rec["group_id"], rec["gen_s"],
                                 rec["meta"])
-        return m.Sample(info.sample_id, info.task_id, traj, info.advantage, info.group_mean, info.group_std)
+            return m.TrajectoryBatch.from_trajectories([traj]), 0
+        return info.payload
 
     def _consumed(self, req: m.Consumed, now: float) -> m.Ok:
         self._check_policies([req.policy])

@@ -11,10 +11,12 @@ elastic controller:
     throughput: {per_partition: {p: {trajectories_per_s, tokens_per_s}}}
     store:    active_shard, quarantined[], lost_samples
     protocol: {counters: {request kind or error code: n}}
+    process:  cpu_user_s, cpu_sys_s, peak_rss_mb (of the dataflow rank)
 Rates and `trainer_wait_fraction` are over the last `dataflow.status_window_s` seconds.
 """
 from __future__ import annotations
 
+import resource
 import time
 from collections import defaultdict, deque
 from typing import TYPE_CHECKING, Any
@@ -94,4 +96,10 @@ def build_status(state: "DataflowState", now: float) -> dict[str, Any]:
         "store": {"active_shard": state.store.active_shard, "quarantined": list(state.store.quarantined),
                   "lost_samples": state.lost_samples},
         "protocol": {"counters": dict(state.counters)},
+        "process": _process_usage(),
     }
+
+
+def _process_usage() -> dict[str, float]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"cpu_user_s": ru.ru_utime, "cpu_sys_s": ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024}

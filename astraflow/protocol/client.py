@@ -6,8 +6,9 @@
 dataflow rank that restarted on another port or node.
 
 Requests are not retried here: the caller decides, because only it knows which requests are
-idempotent (commit by task id, batch by step, ...). A reply to an abandoned request is
-recognised by its seq and dropped.
+idempotent (commit by task id, batch by step, ...). A reply to an abandoned request (one
+whose `call` timed out) is recognised by its seq and dropped; a caller that `send`s without
+collecting the reply must `abandon` it, or its reply is kept until it does.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ class Client:
         self.codec = Codec(secret, max_bytes=max_bytes)
         self.client_id = os.urandom(16)
         self._seq = 0
+        self._outstanding: set[int] = set()
+        self._replies: dict[int, Any] = {}
         self._ctx = context or zmq.Context.instance()
         self.sock = self._connect()
 
@@ -68,6 +71,8 @@ class Client:
 
     def reconnect(self, address: str | None = None) -> None:
         self.sock.close(0)
+        self._outstanding.clear()
+        self._replies.clear()
         if address:
             self.address = address
         self.sock = self._connect()
@@ -75,28 +80,40 @@ class Client:
     def send(self, request: Any) -> int:
         self._seq += 1
         self.sock.send_multipart(self.codec.pack(request, self.client_id, self._seq), copy=False)
+        self._outstanding.add(self._seq)
         return self._seq
 
     def poll(self, seq: int, timeout_s: float) -> Any | None:
-        """The reply to request `seq`, or None on timeout. Raises RemoteError on an Error reply."""
+        """The reply to request `seq`, or None on timeout. Raises RemoteError on an Error reply.
+
+        Replies to other outstanding requests that arrive meanwhile are kept for their own
+        `poll` (several requests may be in flight on one client).
+        """
         deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
+        while seq not in self._replies:
+            left = max(0.0, deadline - time.monotonic())
+            if not self.sock.poll(int(left * 1000)):
                 return None
-            frames = self.sock.recv_multipart()
-            env, reply = self.codec.reply(frames)
-            if env.seq != seq or env.client_id != self.client_id:
-                continue  # answer to an abandoned request
-            if isinstance(reply, messages.Error):
-                raise RemoteError(reply.code, reply.message)
-            return reply
+            env, reply = self.codec.reply(self.sock.recv_multipart())
+            if env.client_id == self.client_id and env.seq in self._outstanding:
+                self._outstanding.discard(env.seq)
+                self._replies[env.seq] = reply
+        reply = self._replies.pop(seq)
+        if isinstance(reply, messages.Error):
+            raise RemoteError(reply.code, reply.message)
+        return reply
+
+    def abandon(self, seq: int) -> None:
+        """Forget a request whose reply is no longer wanted (a late reply is then dropped)."""
+        self._outstanding.discard(seq)
+        self._replies.pop(seq, None)
 
     def call(self, request: Any, timeout_s: float | None = None) -> Any:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         seq = self.send(request)
         reply = self.poll(seq, timeout)
         if reply is None:
+            self.abandon(seq)
             raise TimeoutError(f"{type(request).__name__} to {self.address}: no reply within {timeout:.1f}s")
         return reply
 

@@ -6,8 +6,8 @@ Anyone: Status.
 
 Invariants:
 - `Register` and `Ready` carry `protocol_version`; the dataflow rank refuses a mismatch.
-- A `Trajectory` is one token sequence as seen by one policy. Its per-token arrays have one
-  length; `loss_mask` is 1 exactly on the tokens this policy generated and trains on;
+- A `Trajectory` is one token sequence as seen by one policy (on the wire, trajectories
+  travel columnar as a `TrajectoryBatch`). Its per-token arrays have one length; `loss_mask` is 1 exactly on the tokens this policy generated and trains on;
   `token_policy` is the index (into the run's policy list) of the policy that generated each
   token, -1 for prompt, tool and environment tokens; `versions` is the weight version that
   generated each token (-1 where none did). Several policies' records may share one sequence.
@@ -16,7 +16,8 @@ Invariants:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -28,26 +29,96 @@ PROTOCOL_VERSION = 1
 
 @dataclass(frozen=True)
 class Trajectory:
+    """One record, as a workflow builds it. On the wire records travel as a TrajectoryBatch."""
     policy: str
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    loss_mask: np.ndarray
+    versions: np.ndarray
+    token_policy: np.ndarray
+    reward: float = 0.0
+    episode_id: int = 0
+    group_id: int = 0
+    gen_s: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+TOKEN_FIELDS = ("tokens", "logprobs", "loss_mask", "versions", "token_policy")
+ROW_FIELDS = ("reward", "episode_id", "group_id", "gen_s")
+
+
+@dataclass(frozen=True)
+class TrajectoryBatch:
+    """n trajectories, columnar: per-token arrays concatenated, `lengths` splits them.
+
+    This is the wire form of trajectories (commits and served batches): decoding costs a few
+    array views per batch instead of a dozen objects per trajectory, and a trainer gets the
+    packed layout it needs anyway.
+    """
+    policy: list[str]
+    lengths: np.ndarray = array_field("int32")
     tokens: np.ndarray = array_field("int32")
     logprobs: np.ndarray = array_field("float32")
     loss_mask: np.ndarray = array_field("uint8")
     versions: np.ndarray = array_field("int32")
     token_policy: np.ndarray = array_field("int8")
-    reward: float = 0.0
-    episode_id: int = 0
-    group_id: int = 0
-    gen_s: float = 0.0
-    # Free metadata: msgpack-native values only (extra reward components, tool calls, ...).
-    meta: dict[str, Any] = field(default_factory=dict)
+    reward: np.ndarray = array_field("float32")
+    episode_id: np.ndarray = array_field("int64")
+    group_id: np.ndarray = array_field("int64")
+    gen_s: np.ndarray = array_field("float32")
+    meta: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        n = len(self.tokens)
-        for name in ("logprobs", "loss_mask", "versions", "token_policy"):
+        n = len(self.lengths)
+        for name in ("policy", *ROW_FIELDS, "meta"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"{name} has {len(getattr(self, name))} entries, tokens has {n}")
-        if n == 0:
-            raise ValueError("empty trajectory")
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} trajectories")
+        if n and int(self.lengths.min()) < 1:
+            raise ValueError("every trajectory needs at least one token")
+        total = int(self.lengths.sum(dtype=np.int64))
+        for name in TOKEN_FIELDS:
+            if len(getattr(self, name)) != total:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, lengths sum to {total}")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+
+    def trajectory(self, i: int) -> Trajectory:
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        return Trajectory(self.policy[i], *(getattr(self, c)[lo:hi] for c in TOKEN_FIELDS),
+                          float(self.reward[i]), int(self.episode_id[i]), int(self.group_id[i]),
+                          float(self.gen_s[i]), self.meta[i])
+
+    @staticmethod
+    def from_trajectories(trajs: list[Trajectory]) -> "TrajectoryBatch":
+        def col(name: str, dtype: str) -> np.ndarray:
+            return np.concatenate([np.asarray(getattr(t, name), dtype) for t in trajs]) if trajs else np.zeros(0, dtype)
+        return TrajectoryBatch(
+            policy=[t.policy for t in trajs], lengths=np.array([len(t.tokens) for t in trajs], np.int32),
+            tokens=col("tokens", "int32"), logprobs=col("logprobs", "float32"), loss_mask=col("loss_mask", "uint8"),
+            versions=col("versions", "int32"), token_policy=col("token_policy", "int8"),
+            reward=np.array([t.reward for t in trajs], np.float32),
+            episode_id=np.array([t.episode_id for t in trajs], np.int64),
+            group_id=np.array([t.group_id for t in trajs], np.int64),
+            gen_s=np.array([t.gen_s for t in trajs], np.float32), meta=[t.meta for t in trajs])
+
+    @staticmethod
+    def gather(parts: list[tuple["TrajectoryBatch", int]]) -> "TrajectoryBatch":
+        """Trajectory `i` of batch `b` for each (b, i), in order, as one batch."""
+        cols = {}
+        for c in TOKEN_FIELDS:
+            pieces = [getattr(b, c)[b.offsets[i]:b.offsets[i + 1]] for b, i in parts]
+            cols[c] = np.concatenate(pieces) if pieces else np.zeros(0, _DTYPES[c])
+        for c in ("lengths", *ROW_FIELDS):
+            cols[c] = np.array([getattr(b, c)[i] for b, i in parts], _DTYPES[c])
+        return TrajectoryBatch(policy=[b.policy[i] for b, i in parts], meta=[b.meta[i] for b, i in parts], **cols)
+
+
+_DTYPES = {f.name: f.metadata["dtype"] for f in fields(TrajectoryBatch) if "dtype" in f.metadata}
 
 
 @dataclass(frozen=True)
@@ -59,17 +130,6 @@ class Task:
     group_size: int
     policies: list[str]
     meta: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Sample:
-    """A stored trajectory as served to a trainer, with its data-policy annotations."""
-    sample_id: int
-    task_id: int
-    trajectory: Trajectory
-    advantage: float
-    group_mean: float
-    group_std: float
 
 
 # ------------------------------------------------------------------ requests
@@ -110,7 +170,7 @@ class Renew:
 class Commit:
     worker_id: str
     task_id: int
-    trajectories: list[Trajectory]
+    trajectories: TrajectoryBatch
     versions: dict[str, int] = field(default_factory=dict)  # versions the task ran with
 
 
@@ -221,9 +281,15 @@ class ReadyReply:
 
 @dataclass(frozen=True)
 class BatchReply:
+    """Stored trajectories as served to a trainer, with their data-policy annotations."""
     step: int
-    samples: list[Sample]
     replay: bool  # the same samples this step was trained on before (trainer resumed)
+    trajectories: TrajectoryBatch
+    sample_ids: np.ndarray = array_field("int64")
+    task_ids: np.ndarray = array_field("int64")
+    advantages: np.ndarray = array_field("float32")
+    group_mean: np.ndarray = array_field("float32")
+    group_std: np.ndarray = array_field("float32")
 
 
 @dataclass(frozen=True)
