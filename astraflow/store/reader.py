@@ -11,6 +11,7 @@ reported as `ShardCorrupt`; the caller quarantines it.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,9 +28,39 @@ class ShardCorrupt(Exception):
         self.path, self.why = path, why
 
 
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def check_not_truncated(path: Path) -> None:
+    """Refuse a shard shorter than the end-of-file address its superblock records.
+
+    HDF5 checks this itself on a normal open, but not in SWMR-read mode (the file may be
+    growing), where reading a truncated file retries its metadata reads for minutes instead
+    of failing. Superblock v2/v3 (what `libver="latest"` writes): signature(8), version(1),
+    sizeof offsets(1), sizeof lengths(1), flags(1), then base, extension, end-of-file addresses.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(48)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as e:
+        raise ShardCorrupt(path, f"cannot read: {e.strerror}") from None
+    if head[:8] != HDF5_SIGNATURE:
+        raise ShardCorrupt(path, "not an HDF5 file (bad signature)")
+    if head[8] in (2, 3):
+        width = head[9]
+        at = 12 + 2 * width
+        eoa = int.from_bytes(head[at:at + width], "little")
+        if size < eoa:
+            raise ShardCorrupt(path, f"truncated: {size} bytes on disk, the superblock records {eoa}")
+
+
 class ShardReader:
     def __init__(self, path: Path, locking: bool = False, file: h5py.File | None = None) -> None:
+        """`locking` must match any other open handle of the same file in this process (HDF5 rule)."""
         self.path = Path(path)
+        if file is None:
+            check_not_truncated(self.path)
         try:
             self.file = file if file is not None else h5py.File(self.path, "r", swmr=True, locking=locking)
             version = int(self.file.attrs["schema_version"])

@@ -1,0 +1,89 @@
+"""Config validation, --set overrides and the run directory."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from astraflow.config.loader import ConfigError, load_config, parse_config
+from astraflow.config.rundir import RunDir
+from tests.conftest import BASE_CONFIG, make_run
+
+
+def test_base_config_loads_with_defaults():
+    cfg = parse_config(BASE_CONFIG)
+    assert cfg.policy_names == ("policy",)
+    assert cfg.dataflow.lease_s == 30.0 and cfg.store.compression == "none"
+
+
+def test_unknown_key_names_file_line_path_and_valid_keys(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(BASE_CONFIG.replace("lease_s: 30", "lease_seconds: 30"))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert f"{path}:3" in msg and "dataflow.lease_seconds: unknown key" in msg and "lease_s" in msg
+
+
+def test_wrong_type_names_path_and_expected_type():
+    with pytest.raises(ConfigError, match=r"dataflow\.lease_s: expected float, got str"):
+        parse_config(BASE_CONFIG.replace("lease_s: 30", "lease_s: soon"))
+    with pytest.raises(ConfigError, match=r"store\.locking: expected true or false, got int"):
+        parse_config(BASE_CONFIG.replace("store: {shard_max_mb: 64}", "store: {locking: 1}"))
+
+
+def test_missing_required_fields():
+    with pytest.raises(ConfigError, match="policies: missing required field"):
+        parse_config("run: {seed: 1}")
+    with pytest.raises(ConfigError, match=r"policies\.0\.name: missing required field"):
+        parse_config("policies: [{max_staleness: 1}]")
+
+
+def test_choices_are_listed():
+    with pytest.raises(ConfigError, match=r"store\.compression: 'zstd' is not one of \['none', 'lzf', 'gzip'\]"):
+        parse_config(BASE_CONFIG, overrides=["store.compression=zstd"])
+
+
+def test_duplicate_policy_rejected():
+    with pytest.raises(ConfigError, match="duplicate policy 'a'"):
+        parse_config("policies: [{name: a}, {name: a}]")
+
+
+def test_set_overrides_by_path_and_by_policy_name():
+    cfg = parse_config(BASE_CONFIG, overrides=["dataflow.lease_s=5", "policies.policy.max_staleness=0"])
+    assert cfg.dataflow.lease_s == 5.0 and cfg.policy("policy").max_staleness == 0
+    with pytest.raises(ConfigError, match=r"--set.*dataflow\.nope: unknown key|dataflow\.nope: unknown key"):
+        parse_config(BASE_CONFIG, overrides=["dataflow.nope=1"])
+    with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
+        parse_config(BASE_CONFIG, overrides=["dataflow.lease_s"])
+
+
+def test_run_dir_layout_modes_and_manifest(tmp_path):
+    run = make_run(tmp_path, ["run.seed=7"])
+    assert stat.S_IMODE(run.path.stat().st_mode) == 0o700
+    assert stat.S_IMODE(run.secret_path.stat().st_mode) == 0o600
+    for sub in ("rendezvous", "shards", "journal", "weights", "checkpoints", "logs", "metrics"):
+        assert (run.path / sub).is_dir()
+    manifest = json.loads((run.path / "manifest.json").read_text())
+    assert manifest["seeds"]["run"] == 7 and "git_sha" in manifest and manifest["packages"]["h5py"]
+    assert load_config(run.path / "config.yaml").run.seed == 7  # resolved config, overrides applied
+    with pytest.raises(ConfigError, match="a run already exists"):
+        RunDir.create(run.path, tmp_path / "config.yaml")
+
+
+def test_existing_run_accepts_only_runtime_changes(tmp_path):
+    run = make_run(tmp_path)
+    reopened = RunDir.open(run.path, ["dataflow.lease_s=9"])
+    assert reopened.config.dataflow.lease_s == 9.0
+    assert RunDir.open(run.path).config.dataflow.lease_s == 9.0  # persisted for every component
+    with pytest.raises(ConfigError, match=r"store\.compression: fixed when the run directory was created"):
+        RunDir.open(run.path, ["store.compression=lzf"])
+
+
+def test_component_refuses_world_readable_secret(tmp_path):
+    run = make_run(tmp_path)
+    os.chmod(run.secret_path, 0o644)
+    with pytest.raises(ConfigError, match="readable by others.*chmod 600"):
+        RunDir.open(run.path)

@@ -1,0 +1,164 @@
+"""The dataflow rank's state machine, driven directly with a controllable clock."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from astraflow.bench.payload import random_trajectory
+from astraflow.dataflow.state import DataflowState
+from astraflow.protocol import messages as m
+from tests.conftest import make_run
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def env(tmp_path):
+    run = make_run(tmp_path, ["dataflow.lease_s=10", "dataflow.heartbeat_timeout_s=30", "tasks.group_size=4"])
+    clock = Clock()
+    state = DataflowState(run.path, run.config, clock=clock)
+    state.recover()
+    yield run, state, clock
+    state.close()
+
+
+def group(task_id: int, rewards: list[float], version: int = 0, tokens: int = 12) -> m.TrajectoryBatch:
+    rng = np.random.default_rng(task_id)
+    return m.TrajectoryBatch.from_trajectories(
+        [random_trajectory(rng, "policy", tokens, prompt_tokens=4, version=version, reward=r, group_id=task_id)
+         for r in rewards])
+
+
+def register(state: DataflowState, base: str = "w") -> str:
+    return state.handle(m.Register(m.PROTOCOL_VERSION, base, ["policy"], 2, partition="cpu")).worker_id
+
+
+def test_expired_lease_goes_to_another_worker_and_late_commit_is_a_duplicate(env):
+    run, state, clock = env
+    a, b = register(state, "a"), register(state, "b")
+    (task,) = state.handle(m.Lease(a, 1)).tasks
+    clock.t += 11
+    state.tick()
+    (again,) = state.handle(m.Lease(b, 1)).tasks
+    assert again.task_id == task.task_id
+    assert state.handle(m.Commit(b, task.task_id, group(task.task_id, [0, 1, 0, 1]))).status == "stored"
+    assert state.handle(m.Commit(a, task.task_id, group(task.task_id, [1, 1, 0, 1]))).status == "duplicate"
+    assert state.buffers["policy"].counts["stored"] == 4
+
+
+def test_renewed_lease_does_not_expire(env):
+    run, state, clock = env
+    a, b = register(state, "a"), register(state, "b")
+    (task,) = state.handle(m.Lease(a, 1)).tasks
+    for _ in range(5):
+        clock.t += 6
+        assert state.handle(m.Renew(a, [task.task_id])).renewed == [task.task_id]
+        state.tick()
+    (other,) = state.handle(m.Lease(b, 1)).tasks
+    assert other.task_id != task.task_id
+
+
+def test_silent_worker_is_declared_dead_and_its_leases_return(env):
+    run, state, clock = env
+    a, b = register(state, "a"), register(state, "b")
+    tasks = state.handle(m.Lease(a, 2)).tasks
+    for _ in range(7):  # a stays silent for 35 s (timeout 30 s) while it keeps renewing nothing
+        clock.t += 5
+        state.handle(m.Heartbeat(b))
+    state.tick()
+    assert state.handle(m.Heartbeat(a)).code == "unknown_worker"
+    got = state.handle(m.Lease(b, 2)).tasks
+    assert sorted(t.task_id for t in got) == sorted(t.task_id for t in tasks)
+
+
+def test_reregistration_is_a_new_incarnation_and_frees_old_leases(env):
+    run, state, clock = env
+    first = register(state, "slurm-77_3")
+    (task,) = state.handle(m.Lease(first, 1)).tasks
+    second = register(state, "slurm-77_3")
+    assert (first, second) == ("slurm-77_3.r0", "slurm-77_3.r1")
+    assert state.handle(m.Lease(second, 1)).tasks[0].task_id == task.task_id
+
+
+def test_zero_advantage_groups_are_stored_but_not_served(env):
+    run, state, clock = env
+    w = register(state)
+    t1, t2 = state.handle(m.Lease(w, 2)).tasks
+    state.handle(m.Commit(w, t1.task_id, group(t1.task_id, [1, 1, 1, 1])))
+    state.handle(m.Commit(w, t2.task_id, group(t2.task_id, [0, 1, 1, 0])))
+    counts = state.buffers["policy"].counts
+    assert counts["stored"] == 8 and counts["filtered"] == 4 and state.buffers["policy"].buffered == 4
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+    reply = state.handle(m.Batch("policy", 1, 4))
+    assert set(reply.task_ids) == {t2.task_id}
+    np.testing.assert_allclose(reply.advantages, [-1, 1, 1, -1], atol=1e-4)
+    assert reply.group_mean[0] == pytest.approx(0.5)
+
+
+def test_backpressure_and_stale_weights_stop_leases(env):
+    run, state, clock = env
+    w = register(state)
+    state.buffers["policy"].capacity = 10
+    got = state.handle(m.Lease(w, 5))
+    assert len(got.tasks) == 2 and got.reason == "backpressure"  # 2 tasks x 4 samples fit in 10
+    state.handle(m.Published("policy", 5, "file:///nowhere/v5", []))
+    stale = state.handle(m.Lease(w, 1, versions={"policy": 2}))
+    assert stale.tasks == [] and stale.reason == "stale_weights"
+
+
+def test_staleness_bound_at_consumption_counts_drops(env):
+    run, state, clock = env
+    w = register(state)
+    t1, t2 = state.handle(m.Lease(w, 2)).tasks
+    state.handle(m.Commit(w, t1.task_id, group(t1.task_id, [0, 1, 0, 1], version=0)))
+    state.handle(m.Commit(w, t2.task_id, group(t2.task_id, [0, 1, 0, 1], version=3)))
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+    reply = state.handle(m.Batch("policy", 1, 4, version=4))  # max_staleness 2: version 0 is too old
+    assert set(reply.task_ids) == {t2.task_id} and state.buffers["policy"].counts["dropped_stale"] == 4
+
+
+def test_protocol_version_mismatch_is_refused(env):
+    run, state, clock = env
+    err = state.handle(m.Register(m.PROTOCOL_VERSION + 1, "w", ["policy"], 1))
+    assert isinstance(err, m.Error) and err.code == "version_mismatch" and "speaks protocol" in err.message
+    err = state.handle(m.Ready(0, "policy", 0))
+    assert err.code == "version_mismatch"
+
+
+def test_bad_commits_are_refused_with_the_reason(env):
+    run, state, clock = env
+    w = register(state)
+    assert state.handle(m.Commit(w, 99, group(99, [0, 1]))).code == "bad_request"  # never handed out
+    (task,) = state.handle(m.Lease(w, 1)).tasks
+    wrong = group(task.task_id, [0, 1])
+    wrong = m.TrajectoryBatch(**{**wrong.__dict__, "policy": ["ghost", "ghost"]})
+    assert "unknown policies ['ghost']" in state.handle(m.Commit(w, task.task_id, wrong)).message
+    assert state.next_sample_id == 0  # nothing half-stored
+
+
+def test_weight_retention_keeps_last_k_and_pinned(env):
+    run, state, clock = env
+    wdir = run.path / "weights" / "policy"
+    for v in range(6):
+        (wdir / f"v{v}").mkdir(parents=True)
+        state.handle(m.Published("policy", v, f"file://{wdir}/v{v}", pinned=[1]))
+    assert sorted(p.name for p in wdir.iterdir()) == ["v1", "v3", "v4", "v5"]  # keep_versions=3, v1 pinned
+    assert state.handle(m.Weights("policy")) == m.WeightsReply(5, f"file://{wdir}/v5")
+
+
+def test_status_schema(env):
+    run, state, clock = env
+    w = register(state)
+    (task,) = state.handle(m.Lease(w, 1)).tasks
+    state.handle(m.Commit(w, task.task_id, group(task.task_id, [0, 1, 0, 1])))
+    s = state.handle(m.Status()).status
+    assert s["schema_version"] == 1
+    assert s["workers"]["by_partition"] == {"cpu": 1} and s["tasks"]["done"] == 1
+    assert s["policies"]["policy"]["stored"] == 4 and 0.0 <= s["policies"]["policy"]["trainer_wait_fraction"] <= 1.0
+    assert s["throughput"]["per_partition"]["cpu"]["trajectories_per_s"] > 0

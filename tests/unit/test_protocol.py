@@ -1,0 +1,103 @@
+"""Signed msgpack envelopes, typed decoding and the rejection of hostile input."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from astraflow.bench.payload import random_trajectory
+from astraflow.protocol import messages as m
+from astraflow.protocol.codec import Codec, Reject
+
+SECRET = os.urandom(32)
+CID = b"c" * 16
+
+
+def _batch(n: int = 3, tokens: int = 20) -> m.TrajectoryBatch:
+    rng = np.random.default_rng(0)
+    return m.TrajectoryBatch.from_trajectories([random_trajectory(rng, "policy", tokens, prompt_tokens=4) for _ in range(n)])
+
+
+def test_commit_roundtrip_keeps_every_column():
+    sent = m.Commit("w0.r0", 5, _batch(), versions={"policy": 2})
+    env, got = Codec(SECRET).request(Codec(SECRET).pack(sent, CID, 1))
+    assert env.kind == "commit" and env.seq == 1 and got.task_id == 5 and got.versions == {"policy": 2}
+    for col in ("lengths", *m.TOKEN_FIELDS, *m.ROW_FIELDS):
+        np.testing.assert_array_equal(getattr(got.trajectories, col), getattr(sent.trajectories, col))
+    assert got.trajectories.meta == sent.trajectories.meta
+    t = got.trajectories.trajectory(1)
+    np.testing.assert_array_equal(t.tokens, sent.trajectories.trajectory(1).tokens)
+
+
+def test_wrong_signature_and_unsigned_are_dropped_without_reply():
+    frames = Codec(SECRET).pack(m.Status(), CID, 1)
+    with pytest.raises(Reject) as e:
+        Codec(os.urandom(32)).request(frames)
+    assert e.value.code == "unauthorized" and not e.value.reply
+    with pytest.raises(Reject) as e:
+        Codec(SECRET).request([frames[0]])
+    assert e.value.code == "malformed" and not e.value.reply
+
+
+def test_replayed_and_stale_messages_are_refused():
+    codec = Codec(SECRET, max_skew_s=60)
+    frames = codec.pack(m.Status(), CID, 1)
+    codec.request(frames)
+    with pytest.raises(Reject, match="replayed: sequence 1 already seen"):
+        codec.request(frames)
+    old = msgpack.packb(["status", b"d" * 16, 1, time.time() - 3600, {}], use_bin_type=True)
+    with pytest.raises(Reject, match="replayed: timestamp"):
+        codec.request([old, hmac.digest(SECRET, old, hashlib.sha256)])
+
+
+def test_oversized_is_refused_before_verification():
+    codec = Codec(SECRET, max_bytes=1000)
+    with pytest.raises(Reject) as e:
+        codec.request(codec.pack(m.Commit("w", 1, _batch(4, 64)), CID, 1))
+    assert e.value.code == "oversized"
+
+
+def _signed(body: bytes) -> list[bytes]:
+    return [body, hmac.digest(SECRET, body, hashlib.sha256)]
+
+
+def test_signed_garbage_and_bad_fields_name_the_problem():
+    with pytest.raises(Reject, match="malformed"):
+        Codec(SECRET).request(_signed(b"\xc1\xc1 not msgpack"))
+    body = msgpack.packb(["lease", CID, 1, time.time(), {"worker_id": "w", "n": "many"}], use_bin_type=True)
+    with pytest.raises(Reject, match=r"bad_request: Lease\.n: expected int, got str"):
+        Codec(SECRET).request(_signed(body))
+    body = msgpack.packb(["nuke", CID, 2, time.time(), {}], use_bin_type=True)
+    with pytest.raises(Reject, match="unknown message kind 'nuke'"):
+        Codec(SECRET).request(_signed(body))
+
+
+def test_inconsistent_trajectory_columns_are_rejected():
+    wire = Codec(SECRET)
+    b = _batch()
+    body = m.Commit("w", 1, b)
+    from astraflow.protocol.wire import encode
+    raw = encode(body)
+    raw["trajectories"]["logprobs"] = raw["trajectories"]["logprobs"][:-4]  # one float short
+    payload = msgpack.packb(["commit", CID, 1, time.time(), raw], use_bin_type=True)
+    with pytest.raises(Reject, match=r"Commit\.trajectories: logprobs has 59 entries, lengths sum to 60"):
+        wire.request(_signed(payload))
+    raw = encode(body)
+    raw["trajectories"]["tokens"] = raw["trajectories"]["tokens"][:-1]  # not whole int32s
+    payload = msgpack.packb(["commit", CID, 2, time.time(), raw], use_bin_type=True)
+    with pytest.raises(Reject, match="not a whole number of int32"):
+        wire.request(_signed(payload))
+
+
+def test_gather_selects_trajectories_in_order():
+    a, b = _batch(3, 10), _batch(2, 7)
+    g = m.TrajectoryBatch.gather([(b, 1), (a, 0), (a, 2)])
+    assert list(g.lengths) == [7, 10, 10]
+    np.testing.assert_array_equal(g.trajectory(0).tokens, b.trajectory(1).tokens)
+    np.testing.assert_array_equal(g.trajectory(2).logprobs, a.trajectory(2).logprobs)
+    assert g.meta == [b.meta[1], a.meta[0], a.meta[2]]

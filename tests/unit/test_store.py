@@ -1,0 +1,139 @@
+"""HDF5 shards: round trip, rotation, SWMR reading, quarantine; the journal."""
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from astraflow.store.journal import Journal, replay
+from astraflow.store.reader import ShardCorrupt, ShardReader, load_rows
+from astraflow.store.shards import ShardStore
+from astraflow.store.writer import RowBatch, ShardWriter, StoreOptions, list_shards
+
+POLICIES = ("solver", "verifier")
+
+
+def make_batch(first_id: int, n: int, tokens: int = 50, seed: int = 0) -> RowBatch:
+    rng = np.random.default_rng(seed + first_id)
+    total = n * tokens
+    return RowBatch(
+        tokens={"tokens": rng.integers(0, 1 << 30, total, dtype=np.int32),
+                "logprobs": -rng.random(total, dtype=np.float32),
+                "loss_mask": rng.integers(0, 2, total).astype(np.uint8),
+                "versions": rng.integers(0, 5, total).astype(np.int32),
+                "token_policy": rng.integers(-1, 2, total).astype(np.int8)},
+        rows={"sample_id": np.arange(first_id, first_id + n, dtype=np.int64),
+              "task_id": np.full(n, first_id // n, np.int64), "episode_id": np.arange(n, dtype=np.int64),
+              "group_id": np.zeros(n, np.int64), "policy": (np.arange(n) % 2).astype(np.uint8),
+              "worker": np.full(n, b"w1", "S64"), "length": np.full(n, tokens, np.int32),
+              "reward": rng.random(n).astype(np.float32), "gen_s": np.zeros(n, np.float32),
+              "t_commit": np.full(n, 1.0), "version_min": np.zeros(n, np.int32),
+              "version_max": np.ones(n, np.int32), "version_at_commit": np.ones(n, np.int32)},
+        meta=[json.dumps({"i": first_id + i}).encode() for i in range(n)])
+
+
+@pytest.mark.parametrize("compression", ["none", "lzf", "gzip"])
+def test_round_trip(tmp_path, compression):
+    store = ShardStore(tmp_path, POLICIES, StoreOptions(compression=compression))
+    batches = [make_batch(0, 4), make_batch(4, 4)]
+    locs = [store.append(b) for b in batches]
+    store.flush()
+    rec = store.read(locs[1][2])  # sample 6
+    assert rec["sample_id"] == 6 and rec["policy"] == "solver" and rec["meta"] == {"i": 6}
+    np.testing.assert_array_equal(rec["tokens"], batches[1].tokens["tokens"][100:150])
+    np.testing.assert_array_equal(rec["token_policy"], batches[1].tokens["token_policy"][100:150])
+    store.close()
+    df = load_rows(_run_of(tmp_path))
+    assert list(df["sample_id"]) == list(range(8)) and set(df["policy"]) == set(POLICIES)
+
+
+def _run_of(shard_dir):
+    # load_rows takes a run directory whose shards live in RUN/shards
+    run = shard_dir.parent / "run"
+    (run / "shards").mkdir(parents=True, exist_ok=True)
+    for p in list_shards(shard_dir):
+        p.rename(run / "shards" / p.name)
+    return run
+
+
+def test_rotation_at_size_limit(tmp_path):
+    store = ShardStore(tmp_path, POLICIES, StoreOptions(shard_max_bytes=5_000))
+    for i in range(6):
+        store.append(make_batch(i * 4, 4))
+        store.flush()
+    store.close()
+    shards = list_shards(tmp_path)
+    assert len(shards) >= 3
+    rows = [ShardReader(p).rows()["sample_id"] for p in shards]
+    assert np.concatenate(rows).tolist() == list(range(24))
+
+
+def test_swmr_reader_follows_live_writer(tmp_path):
+    writer = ShardWriter(tmp_path / "shard-000000.h5", POLICIES, StoreOptions())
+    writer.stage(make_batch(0, 2))
+    writer.flush()
+    reader = ShardReader(tmp_path / "shard-000000.h5", locking=True)  # HDF5: same setting within a process
+    assert reader.n_rows == 2
+    writer.stage(make_batch(2, 3))
+    writer.flush()
+    assert reader.refresh() == 5 and reader.trajectory(4)["sample_id"] == 4
+    reader.close()
+    writer.close()
+
+
+def test_malformed_batch_is_refused_at_stage_not_at_flush(tmp_path):
+    writer = ShardWriter(tmp_path / "shard-000000.h5", POLICIES, StoreOptions())
+    bad = make_batch(0, 2)
+    bad.rows["length"] = np.array([50, 49], np.int32)
+    with pytest.raises(ValueError, match="token arrays and lengths disagree"):
+        writer.stage(bad)
+    writer.close()
+
+
+def test_truncated_and_garbage_shards_are_quarantined(tmp_path):
+    store = ShardStore(tmp_path, POLICIES, StoreOptions(shard_max_bytes=1))
+    for i in range(3):
+        store.append(make_batch(i * 4, 4))
+        store.flush()
+    store.close()
+    shards = list_shards(tmp_path)
+    data = shards[1].read_bytes()
+    shards[1].write_bytes(data[: len(data) // 3])  # truncated
+    shards[2].write_bytes(b"\0garbage" * 100)
+    store = ShardStore(tmp_path, POLICIES, StoreOptions())
+    recovered = [(idx, rows["sample_id"].tolist()) for idx, _, rows in store.recover()]
+    assert recovered == [(0, [0, 1, 2, 3])]
+    assert len(store.quarantined) == 2 and (tmp_path / "quarantine" / shards[1].name).exists()
+    store.append(make_batch(100, 2))
+    store.flush()
+    assert store.active_shard == "shard-000003.h5"  # numbered after the quarantined ones
+    store.close()
+
+
+def test_reader_counts_only_complete_rows(tmp_path):
+    path = tmp_path / "shard-000000.h5"
+    writer = ShardWriter(path, POLICIES, StoreOptions())
+    writer.stage(make_batch(0, 4))
+    writer.close()
+    with h5py.File(path, "a") as f:  # simulate a writer killed between row datasets
+        f["rows/reward"].resize((2,))
+    assert ShardReader(path).n_rows == 2
+    with h5py.File(path, "a") as f:
+        f["tokens"].resize((10,))
+    with pytest.raises(ShardCorrupt, match="past the token arrays"):
+        ShardReader(path)
+
+
+def test_journal_replay_ignores_torn_last_line(tmp_path):
+    j = Journal(tmp_path)
+    j.append("consumed", policy="p", step=1, ids=[1, 2])
+    j.flush()
+    j.close()
+    with open(tmp_path / "journal.jsonl", "ab") as f:
+        f.write(b'{"ev":"consumed","pol')  # a writer killed mid-line
+    j = Journal(tmp_path)  # reopening fences the torn line off
+    j.append("published", policy="p", version=3)
+    j.close()
+    assert [e["ev"] for e in replay(tmp_path)] == ["consumed", "published"]

@@ -1,0 +1,89 @@
+"""Task sources, the lease table and per-policy buffers, each alone."""
+from __future__ import annotations
+
+import pytest
+
+from astraflow.config.loader import ConfigError
+from astraflow.config.schema import TaskSourceConfig
+from astraflow.dataflow.buffers import CONSUMED, DROPPED, READY, PolicyBuffer, SampleInfo
+from astraflow.dataflow.leases import TaskTable
+from astraflow.dataflow.tasks import TaskSource
+
+
+def test_arithmetic_source_is_deterministic_with_disjoint_heldout():
+    a, b = TaskSource(TaskSourceConfig(seed=3)), TaskSource(TaskSourceConfig(seed=3))
+    assert [a.item(i) for i in range(1500)] == [b.item(i) for i in range(1500)]
+    assert len(a.heldout) == 200
+    assert not {x.prompt for x in a.heldout} & {x.prompt for x in a.train}
+    epoch = [a.item(i).prompt for i in range(len(a.train))]
+    assert sorted(epoch) == sorted(x.prompt for x in a.train)  # one epoch = every training item once
+    item = a.item(0)
+    assert eval(item.prompt.rstrip("=")) == int(item.answer)  # noqa: S307 - our own arithmetic
+
+
+def test_jsonl_source_names_file_and_line_of_a_bad_row(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": 5}\n')
+    with pytest.raises(ConfigError, match=rf"{path}:3: expected an object with a string \"prompt\""):
+        TaskSource(TaskSourceConfig(kind="jsonl", path=str(path), heldout=0))
+    path.write_text('{"prompt": "1+1=", "answer": 2}\n{oops\n')
+    with pytest.raises(ConfigError, match=rf"{path}:2: not valid JSON"):
+        TaskSource(TaskSourceConfig(kind="jsonl", path=str(path), heldout=0))
+    path.write_text("".join(f'{{"prompt": "q{i}", "answer": {i}}}\n' for i in range(10)))
+    src = TaskSource(TaskSourceConfig(kind="jsonl", path=str(path), heldout=3))
+    assert len(src.heldout) == 3 and len(src.train) == 7 and src.item(0).answer.isdigit()
+
+
+def test_leases_expire_renew_and_requeue_first():
+    t = TaskTable()
+    a, b = t.take(), t.take()
+    t.lease(a, "w1", now=0.0, duration=10.0, versions={})
+    t.lease(b, "w1", now=0.0, duration=10.0, versions={})
+    assert t.renew(b, "w1", now=9.0, duration=10.0)
+    assert not t.renew(b, "w2", now=9.0, duration=10.0)  # only the holder renews
+    assert t.expire(now=10.5) == [a]
+    assert t.take() == a  # expired work goes out first
+    assert t.expire(now=18.9) == [] and t.expire(now=19.1) == [b]
+    t.lease(a, "w2", 20.0, 10.0, {})
+    t.complete(a)
+    assert t.expire(now=100.0) == []  # a committed task never comes back
+    assert a in t.done and a not in t.leased and a not in t.queued
+
+
+def test_task_table_recovery_requeues_everything_not_done():
+    t = TaskTable()
+    t.recover(done={0, 2, 5}, high_water=8)
+    assert list(t.queued) == [1, 3, 4, 6, 7] and t.next_id == 8
+
+
+def test_task_limit_exhausts():
+    t = TaskTable(limit=2)
+    assert [t.take(), t.take(), t.take()] == [0, 1, None] and t.exhausted
+    t.lease(0, "w", 0.0, 1.0, {})
+    t.release(0)
+    assert not t.exhausted and t.take() == 0 and t.exhausted
+
+
+def _buffer(n: int, versions: list[int] | None = None, staleness: int = 1) -> PolicyBuffer:
+    buf = PolicyBuffer("p", max_staleness=staleness, capacity=100)
+    for i in range(n):
+        buf.add(SampleInfo(i, i // 2, (versions or [0] * n)[i], 0.0, 0.0, 1.0, (0, i), payload=object()), False)
+    return buf
+
+
+def test_take_waits_for_a_full_batch_and_drops_stale_samples():
+    buf = _buffer(6, versions=[0, 0, 2, 2, 3, 3], staleness=1)
+    assert buf.take(step=1, n=5, trainer_version=3) is None  # 0,0 are stale: only 4 fresh
+    assert buf.counts["dropped_stale"] == 2 and buf.samples[0].state == DROPPED
+    assert buf.buffered == 4 and buf.take(1, 4, 3) == [2, 3, 4, 5]
+
+
+def test_consume_checks_what_was_served_and_restart_replays():
+    buf = _buffer(8)
+    s1, s2 = buf.take(1, 4, 0), buf.take(2, 4, 0)
+    assert buf.consume(1, s2) is not None  # not what step 1 was served
+    assert buf.consume(1, s1) is None and buf.samples[s1[0]].state == CONSUMED
+    assert buf.consume(3, s1) == f"sample {s1[0]} was already consumed by another step"
+    # trainer crashes after step 1 was consumed and step 2 served; it resumes from step 0
+    assert buf.trainer_restarted(resume_step=0) == [1]
+    assert buf.samples[s2[0]].state == READY and list(buf.ready)[:4] == s2
