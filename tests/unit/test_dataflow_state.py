@@ -64,8 +64,11 @@ def test_renewed_lease_does_not_expire(env):
     assert other.task_id != task.task_id
 
 
-def test_silent_worker_is_declared_dead_and_its_leases_return(env):
-    run, state, clock = env
+def test_silent_worker_is_declared_dead_and_its_leases_return(tmp_path):
+    run = make_run(tmp_path, ["dataflow.lease_s=1000", "dataflow.heartbeat_timeout_s=30"])
+    clock = Clock()
+    state = DataflowState(run.path, run.config, clock=clock)
+    state.recover()
     a, b = register(state, "a"), register(state, "b")
     tasks = state.handle(m.Lease(a, 2)).tasks
     for _ in range(7):  # a stays silent for 35 s (timeout 30 s) while it keeps renewing nothing
@@ -75,6 +78,8 @@ def test_silent_worker_is_declared_dead_and_its_leases_return(env):
     assert state.handle(m.Heartbeat(a)).code == "unknown_worker"
     got = state.handle(m.Lease(b, 2)).tasks
     assert sorted(t.task_id for t in got) == sorted(t.task_id for t in tasks)
+    assert state.counters["workers_dead"] == 1 and "leases_expired" not in state.counters
+    state.close()
 
 
 def test_reregistration_is_a_new_incarnation_and_frees_old_leases(env):
