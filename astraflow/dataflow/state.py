@@ -244,7 +244,8 @@ class DataflowState:
                 break
             tid = self.tasks.take()
             if tid is None:
-                reason = "exhausted"
+                # "exhausted": nothing will ever come; "drained": leased tasks may still return
+                reason = "drained" if self.tasks.leased or tasks else "exhausted"
                 break
             self.tasks.lease(tid, worker.worker_id, now, self.cfg.dataflow.lease_s, req.versions)
             item = self.source.item(tid)
@@ -333,7 +334,10 @@ class DataflowState:
                 "reward": trajs.reward, "gen_s": trajs.gen_s, "t_commit": np.full(n, time.time()),
                 "version_min": vmin, "version_max": vmax,
                 "version_at_commit": np.array([self.weights.latest(p)[0] for p in trajs.policy], np.int32)}
-        meta = [json.dumps(x, separators=(",", ":"), default=str).encode() if x else b"" for x in trajs.meta]
+        # The versions the whole task ran with travel in each record's metadata.
+        extra = {"task_versions": req.versions} if req.versions else {}
+        meta = [json.dumps({**x, **extra}, separators=(",", ":"), default=str).encode() if x or extra else b""
+                for x in trajs.meta]
         tokens = {c: getattr(trajs, c) for c in TOKEN_COLUMNS}
         return RowBatch(tokens, rows, meta), vmin
 

@@ -252,7 +252,9 @@ class RegisterReply:
 class LeaseReply:
     tasks: list[Task]
     retry_after_s: float = 0.0
-    reason: str = ""  # why fewer tasks than asked: "backpressure", "stale_weights", "exhausted"
+    # why fewer tasks than asked: "backpressure", "stale_weights", "no_matching_policies",
+    # "drained" (all handed out, leased ones may return) or "exhausted" (no task will come)
+    reason: str = ""
 
 
 @dataclass(frozen=True)

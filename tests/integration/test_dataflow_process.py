@@ -1,0 +1,200 @@
+"""The dataflow rank as a real process, with real worker processes and trainer clients."""
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from astraflow.protocol import messages as m
+from astraflow.protocol.codec import Codec, RemoteError
+from tests.conftest import REPO, DataflowProcess, client, make_run
+from tests.integration.helpers import assert_exactly_once, read_ledger, start_worker, stored
+
+pytestmark = pytest.mark.integration
+
+
+def wait_all(procs, timeout_s: float = 60.0) -> None:
+    for p in procs:
+        assert p.wait(timeout=timeout_s) == 0
+
+
+def drain(run, policy: str = "policy", n: int = 8, steps: int = 100) -> list[list[int]]:
+    """A trainer client that consumes everything there is; returns the ids of each step."""
+    t = client(run)
+    t.call(m.Ready(m.PROTOCOL_VERSION, policy, 0))
+    served = []
+    for step in range(1, steps + 1):
+        try:
+            reply = t.call(m.Batch(policy, step, n), timeout_s=5)
+        except RemoteError as e:
+            assert e.code == "exhausted"
+            break
+        ids = reply.sample_ids.tolist()
+        t.call(m.Consumed(policy, step, ids))
+        served.append(ids)
+    return served
+
+
+def test_end_to_end_commit_serve_inspect(tmp_path):
+    run = make_run(tmp_path, ["tasks.max_tasks=12"])
+    df = DataflowProcess(run)
+    df.start()
+    try:
+        wait_all([start_worker(run, "w1"), start_worker(run, "w2")])
+        live = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "inspect", str(run.path), "--json"],
+                              capture_output=True, text=True, cwd=REPO, check=True)
+        assert json.loads(live.stdout)["trajectories"] == 48  # read while the writer holds the shard
+        served = drain(run)
+        status = client(run).call(m.Status()).status
+    finally:
+        df.stop()
+    flat = [s for step in served for s in step]
+    assert len(flat) == len(set(flat)) == status["policies"]["policy"]["consumed"]
+    assert status["policies"]["policy"]["stored"] == 48 == len(flat) + status["policies"]["policy"]["filtered"]
+    assert_exactly_once(run, 12, 4, [read_ledger(run, "w1"), read_ledger(run, "w2")])
+    out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "inspect", str(run.path), "--json"],
+                         capture_output=True, text=True, cwd=REPO, check=True)
+    report = json.loads(out.stdout)
+    assert report["trajectories"] == 48 and report["policies"]["policy"]["consumed"] == len(flat)
+    per_worker = report["policies"]["policy"]["per_worker"]
+    assert set(per_worker) <= {"w1.r0", "w2.r0"} and sum(per_worker.values()) == 48
+
+
+def test_worker_sigkilled_mid_lease_loses_nothing(tmp_path):
+    run = make_run(tmp_path, ["tasks.max_tasks=16", "dataflow.heartbeat_timeout_s=1.5", "dataflow.lease_s=600"])
+    df = DataflowProcess(run)
+    df.start()
+    try:
+        doomed = start_worker(run, "doomed", "--hold-after", "3")
+        deadline = time.monotonic() + 30
+        while len(read_ledger(run, "doomed")) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)  # it now holds two leases
+        doomed.kill()
+        doomed.wait()
+        t0 = time.monotonic()
+        wait_all([start_worker(run, "survivor")])
+        status = client(run).call(m.Status()).status
+    finally:
+        df.stop()
+    assert status["tasks"]["done"] == 16 and status["workers"]["dead"] >= 1
+    assert time.monotonic() - t0 < 30
+    assert_exactly_once(run, 16, 4, [read_ledger(run, "doomed"), read_ledger(run, "survivor")])
+
+
+def test_dataflow_sigkilled_repeatedly_keeps_every_acknowledged_trajectory(tmp_path):
+    run = make_run(tmp_path, ["tasks.max_tasks=80"])
+    df = DataflowProcess(run)
+    df.start()
+    rng = random.Random(1234)
+    workers = [start_worker(run, f"w{i}", "--timeout", "1.0") for i in range(3)]
+    try:
+        for _ in range(3):
+            time.sleep(rng.uniform(0.3, 1.2))
+            df.kill(signal.SIGKILL)
+            df.start()
+        wait_all(workers, timeout_s=120)
+        status = client(run).call(m.Status()).status
+    finally:
+        df.stop()
+    assert status["incarnation"] == 4 and status["tasks"]["done"] == 80
+    ledgers = [read_ledger(run, f"w{i}") for i in range(3)]
+    assert sum(len(x) for x in ledgers) >= 80
+    assert_exactly_once(run, 80, 4, ledgers)
+
+
+def test_trainer_resume_is_re_served_exactly_its_lost_steps(tmp_path):
+    run = make_run(tmp_path, ["tasks.max_tasks=24", "policies.policy.filter_zero_advantage=false"])
+    df = DataflowProcess(run)
+    df.start()
+    try:
+        wait_all([start_worker(run, "w1")])
+        t = client(run)
+        t.call(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+        steps = {}
+        for step in range(1, 6):
+            steps[step] = t.call(m.Batch("policy", step, 8)).sample_ids.tolist()
+            t.call(m.Consumed("policy", step, steps[step]))
+        in_flight = t.call(m.Batch("policy", 6, 8)).sample_ids.tolist()  # served, never acknowledged
+        # the trainer dies; its last checkpoint was after step 2
+        assert t.call(m.Ready(m.PROTOCOL_VERSION, "policy", 2)).replay_steps == [3, 4, 5]
+        for step in (3, 4, 5):
+            reply = t.call(m.Batch("policy", step, 8))
+            assert reply.replay and reply.sample_ids.tolist() == steps[step]
+            t.call(m.Consumed("policy", step, steps[step]))
+        fresh = t.call(m.Batch("policy", 6, 8)).sample_ids.tolist()
+        assert sorted(fresh) == sorted(in_flight)  # unacknowledged samples came back, nothing else
+        t.call(m.Consumed("policy", 6, fresh))
+        # now the dataflow rank dies too; the trainer restarts from a checkpoint after step 4
+        df.kill(signal.SIGKILL)
+        df.start()
+        t = client(run)
+        assert t.call(m.Ready(m.PROTOCOL_VERSION, "policy", 4)).replay_steps == [5, 6]
+        assert t.call(m.Batch("policy", 5, 8)).sample_ids.tolist() == steps[5]
+        assert t.call(m.Batch("policy", 6, 8)).sample_ids.tolist() == fresh
+        seven = t.call(m.Batch("policy", 7, 8)).sample_ids.tolist()
+        trained = {s for ids in steps.values() for s in ids} | set(fresh)
+        assert not set(seven) & trained and len(seven) == 8
+    finally:
+        df.stop()
+
+
+def test_hostile_input_is_rejected_and_service_continues(tmp_path):
+    run = make_run(tmp_path, ["dataflow.max_message_mb=1"])
+    df = DataflowProcess(run)
+    info = df.start()
+    try:
+        ctx = zmq.Context.instance()
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(info["address"])
+        good = client(run)
+        secret = run.read_secret()
+        codec = Codec(secret)
+        attempts = {
+            "garbage": [b"\x00\xff garbage"],
+            "junk frames": [b"a", b"b", b"c"],
+            "wrong signature": Codec(b"x" * 32).pack(m.Status(), b"r" * 16, 1),
+            "unsigned": [codec.pack(m.Status(), b"r" * 16, 2)[0], b""],
+            # over the 1 MiB limit: counted and dropped by the codec
+            "oversized": codec.pack(m.Heartbeat("w", {"x" * (3 << 19): 1}), b"r" * 16, 3),
+            # over twice the limit: ZeroMQ drops the connection before buffering it
+            "huge": codec.pack(m.Heartbeat("w", {"x" * (3 << 20): 1}), b"r" * 16, 4),
+        }
+        for name, frames in attempts.items():
+            rogue.send_multipart(frames)
+            assert not rogue.poll(300), f"{name}: an unauthenticated or oversized message got an answer"
+            assert isinstance(good.call(m.Status()), m.StatusReply), name
+        captured = codec.pack(m.Status(), b"q" * 16, 1)
+        rogue.send_multipart(captured)
+        assert rogue.poll(2000)
+        rogue.recv_multipart()
+        rogue.send_multipart(captured)  # replayed: answered with an error, never executed twice
+        env, reply = codec.reply(rogue.recv_multipart())
+        assert isinstance(reply, m.Error) and reply.code == "replayed"
+        with pytest.raises(RemoteError, match="version_mismatch"):
+            good.call(m.Register(m.PROTOCOL_VERSION + 1, "future", ["policy"], 1))
+        counters = good.call(m.Status()).status["protocol"]["counters"]
+    finally:
+        df.stop()
+    assert counters["rejected_malformed"] >= 2 and counters["rejected_unauthorized"] >= 2
+    assert counters["rejected_oversized"] == 1 and counters["rejected_replayed"] == 1
+    assert counters["error_version_mismatch"] == 1
+
+
+def test_bad_config_names_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policies: [{name: p}]\ndataflow: {lease_seconds: 3}\n")
+    out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "dataflow", "--run-dir", str(tmp_path / "r"),
+                          "--config", str(bad)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 2
+    assert f"{bad}:2: dataflow.lease_seconds: unknown key" in out.stderr
+    assert not (tmp_path / "r").exists()  # nothing was created for a config that does not validate
