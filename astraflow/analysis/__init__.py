@@ -1,0 +1,1 @@
+"""Post-hoc and live analysis of a run's shards (`astraflow inspect`, the reader API)."""

@@ -1,4 +1,4 @@
-"""`astraflow` — the one entry point. Subcommands are an explicit table below.
+"""`astraflow` — the one entry point. Subcommands are declared one by one in `build_parser`.
 
 Imports of components happen inside each command, so `astraflow --help` and `astraflow
 inspect` stay fast and never load torch.

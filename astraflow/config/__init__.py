@@ -1,0 +1,4 @@
+"""Typed run configuration, its strict YAML loader, and the run directory.
+
+Imports nothing else from the package; everything else may import it.
+"""

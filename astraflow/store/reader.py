@@ -76,13 +76,15 @@ class ShardReader:
     def refresh(self) -> int:
         """Re-read dataset extents (live shards); returns the number of complete rows."""
         try:
-            for name in list(TOKEN_COLUMNS) + [META_COLUMN] + [f"rows/{c}" for c in ROW_COLUMNS]:
+            for name in (*TOKEN_COLUMNS, META_COLUMN, "rows"):
                 self.file[name].refresh()
-            n = min(self.file[f"rows/{c}"].shape[0] for c in ROW_COLUMNS)
+            n = self.file["rows"].shape[0]
             if n:
-                end = int(self.file["rows/offset"][n - 1]) + int(self.file["rows/length"][n - 1])
-                if end > self.file["tokens"].shape[0]:
-                    raise ShardCorrupt(self.path, f"row {n - 1} ends at token {end}, past the token arrays")
+                last = self.file["rows"][n - 1]
+                end = int(last["offset"]) + int(last["length"])
+                short = [c for c in TOKEN_COLUMNS if self.file[c].shape[0] < end]
+                if short or int(last["meta_offset"]) + int(last["meta_length"]) > self.file[META_COLUMN].shape[0]:
+                    raise ShardCorrupt(self.path, f"row {n - 1} points past the data of {short or [META_COLUMN]}")
         except (OSError, KeyError, ValueError, RuntimeError) as e:
             raise ShardCorrupt(self.path, f"unreadable: {e}") from None
         self.n_rows = n
@@ -90,13 +92,15 @@ class ShardReader:
 
     def rows(self, columns: tuple[str, ...] = tuple(ROW_COLUMNS)) -> dict[str, np.ndarray]:
         try:
-            return {c: self.file[f"rows/{c}"][: self.n_rows] for c in columns}
+            table = self.file["rows"][: self.n_rows]
+            return {c: table[c] for c in columns}
         except (OSError, ValueError, RuntimeError) as e:
             raise ShardCorrupt(self.path, f"row table unreadable: {e}") from None
 
     def trajectory(self, row: int) -> dict[str, Any]:
         """One stored row with its per-token arrays and decoded metadata."""
-        r = {c: self.file[f"rows/{c}"][row] for c in ROW_COLUMNS}
+        rec = self.file["rows"][row]
+        r = {c: rec[c] for c in ROW_COLUMNS}
         lo, n = int(r["offset"]), int(r["length"])
         out: dict[str, Any] = {c: self.file[c][lo:lo + n] for c in TOKEN_COLUMNS}
         mlo, mn = int(r["meta_offset"]), int(r["meta_length"])

@@ -1,15 +1,16 @@
 """HDF5 shard layout (schema_version 1).
 
 A shard is flat: per-token arrays of all its trajectories are concatenated, and a
-per-trajectory ("row") table of equal-length 1-D datasets indexes them with `offset`/`length`.
+per-trajectory table `rows` (one compound dataset, a column per field of `ROW_COLUMNS`)
+indexes them with `offset`/`length`.
 Free metadata is JSON, concatenated into the byte dataset `meta_bytes` (flat too: filters do
 nothing on variable-length HDF5 types, and SWMR forbids creating anything once writing
 starts). File attributes (`schema_version`, `policy_names`, `created`) are written before
 SWMR mode is switched on and never after.
 
-The number of rows in a shard is the length of its shortest row dataset: a writer killed in
-the middle of a flush can leave some datasets longer than others, and those extra rows were
-never acknowledged.
+The writer appends token data before the row table, so a row is only ever visible once the
+data it points to is in the file; a row whose data is missing (a writer killed mid-flush on
+a filesystem that reorders writes) marks the shard corrupt.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ ROW_COLUMNS: dict[str, np.dtype] = {
     "meta_offset": np.dtype("<i8"),
     "meta_length": np.dtype("<i4"),
 }
+
+ROW_DTYPE = np.dtype(list(ROW_COLUMNS.items()))
 
 META_COLUMN = "meta_bytes"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from astraflow.store.schema import (INPUT_ROW_COLUMNS, META_COLUMN, ROW_COLUMNS, SCHEMA_VERSION,
+from astraflow.store.schema import (INPUT_ROW_COLUMNS, META_COLUMN, ROW_COLUMNS, ROW_DTYPE, SCHEMA_VERSION,
                                     TOKEN_COLUMNS)
 
 ROW_CHUNK = 4096
@@ -86,9 +86,8 @@ class ShardWriter:
                 name, (0,), maxshape=(None,), dtype=dtype, chunks=(opts.chunk_tokens,), **comp)
         self.ds[META_COLUMN] = self.file.create_dataset(
             META_COLUMN, (0,), maxshape=(None,), dtype="u1", chunks=(1 << 14,), **comp)
-        for name, dtype in ROW_COLUMNS.items():
-            self.ds[f"rows/{name}"] = self.file.create_dataset(
-                f"rows/{name}", (0,), maxshape=(None,), dtype=dtype, chunks=(ROW_CHUNK,), **comp)
+        self.ds["rows"] = self.file.create_dataset(
+            "rows", (0,), maxshape=(None,), dtype=ROW_DTYPE, chunks=(ROW_CHUNK,), **comp)
         self.file.swmr_mode = True
         self.n_rows = 0
         self.n_tokens = 0
@@ -129,8 +128,10 @@ class ShardWriter:
             self._extend(name, self.n_tokens, arr)
         self._extend(META_COLUMN, self.n_meta, np.frombuffer(b"".join(meta), dtype="u1"))
         n = sum(len(b) for b in batches)
+        table = np.empty(n, ROW_DTYPE)
         for name in ROW_COLUMNS:
-            self._extend(f"rows/{name}", self.n_rows, rows[name])
+            table[name] = rows[name]
+        self._extend("rows", self.n_rows, table)
         self.file.flush()
         if self.opts.fsync:
             os.fsync(self.file.id.get_vfd_handle())

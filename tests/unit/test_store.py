@@ -112,17 +112,15 @@ def test_truncated_and_garbage_shards_are_quarantined(tmp_path):
     store.close()
 
 
-def test_reader_counts_only_complete_rows(tmp_path):
+def test_rows_pointing_past_their_data_mark_the_shard_corrupt(tmp_path):
     path = tmp_path / "shard-000000.h5"
     writer = ShardWriter(path, POLICIES, StoreOptions())
     writer.stage(make_batch(0, 4))
     writer.close()
-    with h5py.File(path, "a") as f:  # simulate a writer killed between row datasets
-        f["rows/reward"].resize((2,))
-    assert ShardReader(path).n_rows == 2
-    with h5py.File(path, "a") as f:
-        f["tokens"].resize((10,))
-    with pytest.raises(ShardCorrupt, match="past the token arrays"):
+    assert ShardReader(path).n_rows == 4
+    with h5py.File(path, "a") as f:  # token data lost under a row that was written
+        f["logprobs"].resize((150,))
+    with pytest.raises(ShardCorrupt, match=r"row 3 points past the data of \['logprobs'\]"):
         ShardReader(path)
 
 

@@ -1,0 +1,35 @@
+# The README's set-up commands. Everything is installed into .venv from this repo's files.
+#   make demo   create/update .venv, run the main job on the local embedded default
+#   make test   create/update .venv, run the whole test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+DEMO_RUN ?= runs/demo
+
+.PHONY: install test demo bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q --durations=15 tests
+
+# Until rollout workers and trainers land, the main job is the dataflow rank under a real
+# load: 8 worker processes commit, a consumer is served and verifies, then the shards are
+# inspected.
+demo: $(STAMP)
+	rm -rf $(DEMO_RUN)
+	$(VENV)/bin/astraflow bench dataflow --seconds 10 --run-dir $(DEMO_RUN)
+	$(VENV)/bin/astraflow inspect $(DEMO_RUN)
+
+bench: $(STAMP)
+	$(VENV)/bin/astraflow bench dataflow --json
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
