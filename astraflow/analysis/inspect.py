@@ -1,7 +1,8 @@
 """`astraflow inspect RUN_DIR`: what a run's shards hold, per policy. Works on a live run.
 
-Reads only the shards (SWMR) and the journal, never the dataflow rank, so it also works on
-a finished or crashed run. The version lag of a trajectory is the latest published version
+Reads the shards (SWMR) and the journal, so it works on a finished or crashed run too; when
+the run's dataflow rank answers, its `status` document (same schema as `Status`) is added
+under `live`. The version lag of a trajectory is the latest published version
 of its policy when it was stored minus the oldest version that generated its tokens.
 """
 from __future__ import annotations
@@ -17,7 +18,30 @@ from astraflow.store.reader import iter_shards, load_rows
 TIMELINE_BUCKETS = 10
 
 
-def inspect_run(run_dir: str | Path) -> dict[str, Any]:
+LIVE_TIMEOUT_S = 1.0
+
+
+def live_status(run_dir: Path) -> dict[str, Any] | None:
+    """The dataflow rank's status if it is up and answers within a second, else None."""
+    from astraflow.config.loader import ConfigError
+    from astraflow.config.rundir import read_secret
+    from astraflow.protocol.client import Client, read_rendezvous
+    from astraflow.protocol.codec import RemoteError
+    from astraflow.protocol.messages import Status
+
+    try:
+        client = Client(read_rendezvous(run_dir)["address"], read_secret(run_dir / "secret"), LIVE_TIMEOUT_S)
+    except (OSError, ValueError, KeyError, ConfigError):
+        return None
+    try:
+        return client.call(Status()).status
+    except (TimeoutError, RemoteError):
+        return None
+    finally:
+        client.close()
+
+
+def inspect_run(run_dir: str | Path, live: bool = True) -> dict[str, Any]:
     run_dir = Path(run_dir)
     df = load_rows(run_dir)
     consumed: dict[str, int] = {}
@@ -34,6 +58,7 @@ def inspect_run(run_dir: str | Path) -> dict[str, Any]:
         "trajectories": int(len(df)),
         "tasks": int(df["task_id"].nunique()) if len(df) else 0,
         "policies": {},
+        "live": live_status(run_dir) if live else None,
     }
     if not len(df):
         return report
@@ -64,6 +89,11 @@ def inspect_run(run_dir: str | Path) -> dict[str, Any]:
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"run {r['run_dir']}: {r['trajectories']} trajectories from {r['tasks']} tasks "
              f"in {len(r['shards'])} shards"]
+    if r.get("live"):
+        s = r["live"]
+        waits = ", ".join(f"{p}: {v['trainer_wait_fraction']:.0%}" for p, v in s["policies"].items())
+        lines.append(f"  live: {s['workers']['alive']} workers alive, tasks {s['tasks']['done']} done / "
+                     f"{s['tasks']['leased']} leased, trainer waiting {waits}")
     for name in ("quarantined", "unreadable"):
         if r[name]:
             lines.append(f"  {name}: {', '.join(r[name])}")
@@ -72,6 +102,8 @@ def format_report(r: dict[str, Any]) -> str:
                      f"reward {p['reward_mean']:.3f} ± {p['reward_std']:.3f}, consumed {p['consumed']} "
                      f"(trainer step {p['trainer_step']})")
         lines.append("  version lag: " + ", ".join(f"{k}: {v}" for k, v in p["version_lag"].items()))
-        lines.append("  per worker: " + ", ".join(f"{k}: {v}" for k, v in p["per_worker"].items()))
+        top = list(p["per_worker"].items())
+        more = f" (+{len(top) - 8} more)" if len(top) > 8 else ""
+        lines.append(f"  per worker ({len(top)}): " + ", ".join(f"{k}: {v}" for k, v in top[:8]) + more)
         lines.append("  timeline: " + " ".join(str(b["trajectories"]) for b in p["timeline"]))
     return "\n".join(lines)

@@ -85,8 +85,8 @@ class ShardReader:
                 short = [c for c in TOKEN_COLUMNS if self.file[c].shape[0] < end]
                 if short or int(last["meta_offset"]) + int(last["meta_length"]) > self.file[META_COLUMN].shape[0]:
                     raise ShardCorrupt(self.path, f"row {n - 1} points past the data of {short or [META_COLUMN]}")
-        except (OSError, KeyError, ValueError, RuntimeError) as e:
-            raise ShardCorrupt(self.path, f"unreadable: {e}") from None
+        except (OSError, KeyError, ValueError, RuntimeError, AttributeError, TypeError) as e:
+            raise ShardCorrupt(self.path, f"unreadable ({type(e).__name__}: {e})") from None
         self.n_rows = n
         return n
 

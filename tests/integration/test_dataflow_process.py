@@ -14,7 +14,8 @@ import zmq
 
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import Codec, RemoteError
-from tests.conftest import REPO, DataflowProcess, client, make_run
+from astraflow.bench.payload import random_trajectory
+from tests.conftest import REPO, DataflowProcess, client, make_run, register
 from tests.integration.helpers import assert_exactly_once, read_ledger, start_worker, stored
 
 pytestmark = pytest.mark.integration
@@ -50,7 +51,9 @@ def test_end_to_end_commit_serve_inspect(tmp_path):
         wait_all([start_worker(run, "w1"), start_worker(run, "w2")])
         live = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "inspect", str(run.path), "--json"],
                               capture_output=True, text=True, cwd=REPO, check=True)
-        assert json.loads(live.stdout)["trajectories"] == 48  # read while the writer holds the shard
+        live_report = json.loads(live.stdout)
+        assert live_report["trajectories"] == 48  # read while the writer holds the shard
+        assert live_report["live"]["tasks"]["done"] == 12  # and the rank's own status
         served = drain(run)
         status = client(run).call(m.Status()).status
     finally:
@@ -62,9 +65,38 @@ def test_end_to_end_commit_serve_inspect(tmp_path):
     out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "inspect", str(run.path), "--json"],
                          capture_output=True, text=True, cwd=REPO, check=True)
     report = json.loads(out.stdout)
+    assert report["live"] is None  # the rank is gone
     assert report["trajectories"] == 48 and report["policies"]["policy"]["consumed"] == len(flat)
     per_worker = report["policies"]["policy"]["per_worker"]
     assert set(per_worker) <= {"w1.r0", "w2.r0"} and sum(per_worker.values()) == 48
+
+
+def test_expired_lease_is_handed_out_again_and_renewed_lease_is_not(tmp_path):
+    run = make_run(tmp_path, ["dataflow.lease_s=0.6"])
+    df = DataflowProcess(run)
+    df.start()
+    try:
+        a, b = client(run), client(run)
+        wa, wb = register(a, "a"), register(b, "b")
+        kept, dropped = a.call(m.Lease(wa, 2)).tasks
+        for _ in range(6):  # renew one lease for 1.8 s, three times its duration
+            time.sleep(0.3)
+            assert a.call(m.Renew(wa, [kept.task_id])).renewed == [kept.task_id]
+        got = b.call(m.Lease(wb, 1)).tasks
+        assert [t.task_id for t in got] == [dropped.task_id]
+        late = a.call(m.Commit(wa, dropped.task_id, batch_for(dropped)))  # a's lease expired, nobody committed yet
+        assert late.status == "stored"
+        assert b.call(m.Commit(wb, dropped.task_id, batch_for(dropped))).status == "duplicate"
+        assert a.call(m.Renew(wa, [dropped.task_id])).lost == [dropped.task_id]
+    finally:
+        df.stop()
+    assert (stored(run)["task_id"] == dropped.task_id).sum() == 4
+
+
+def batch_for(task: m.Task) -> m.TrajectoryBatch:
+    rng = np.random.default_rng(task.task_id)
+    return m.TrajectoryBatch.from_trajectories(
+        [random_trajectory(rng, "policy", 16, prompt_tokens=4, group_id=task.task_id) for _ in range(task.group_size)])
 
 
 def test_worker_sigkilled_mid_lease_loses_nothing(tmp_path):
