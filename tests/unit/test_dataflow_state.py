@@ -167,3 +167,27 @@ def test_status_schema(env):
     assert s["workers"]["by_partition"] == {"cpu": 1} and s["tasks"]["done"] == 1
     assert s["policies"]["policy"]["stored"] == 4 and 0.0 <= s["policies"]["policy"]["trainer_wait_fraction"] <= 1.0
     assert s["throughput"]["per_partition"]["cpu"]["trajectories_per_s"] > 0
+
+
+def test_quarantined_shard_tasks_are_handed_out_again(tmp_path):
+    run = make_run(tmp_path, ["tasks.group_size=2", "store.shard_max_mb=0.0001"])  # one shard per flush
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    w = register(state)
+    tasks = state.handle(m.Lease(w, 3)).tasks
+    for t in tasks:
+        state.handle(m.Commit(w, t.task_id, group(t.task_id, [0, 1])))
+        state.flush()
+    state.close()
+    shards = sorted((run.path / "shards").glob("shard-*.h5"))
+    assert len(shards) == 3
+    shards[1].write_bytes(shards[1].read_bytes()[:2000])  # truncate the second commit's shard
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    status = state.handle(m.Status()).status
+    assert len(status["store"]["quarantined"]) == 1 and "truncated" in status["store"]["quarantined"][0]
+    assert status["policies"]["policy"]["stored"] == 4
+    w = register(state)
+    again = [t.task_id for t in state.handle(m.Lease(w, 1)).tasks]
+    assert again == [tasks[1].task_id]  # the lost commit's task comes back first
+    state.close()
