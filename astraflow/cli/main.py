@@ -41,6 +41,75 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_model(args: argparse.Namespace) -> int:
+    from astraflow.models.factory import make_model
+
+    print(make_model(args.arch, args.size, args.out_dir, seed=args.seed))
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    """Build the run's model (and warm it up) once; a no-op when it exists or is configured."""
+    from astraflow.config.rundir import RunDir
+    from astraflow.models import base_model_dir
+    from astraflow.models.factory import make_model
+    from astraflow.tasks.sources import TaskSource
+    from astraflow.trainer.warmup import warm_up
+
+    run = RunDir.open(args.run_dir)
+    cfg = run.config
+    target = base_model_dir(run.path, cfg.model.path)
+    if cfg.model.path or (target / "config.json").exists():
+        return 0
+    source = TaskSource(cfg.tasks)
+    corpus = [i.prompt + i.answer for i in source.train + source.heldout + source.warmup]
+    tmp = run.path / "model.tmp"
+    make_model(cfg.model.arch, cfg.model.size, tmp, seed=cfg.model.seed, corpus=corpus)
+    warm_up(tmp, cfg)
+    tmp.rename(target)
+    return 0
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from astraflow.rollout.worker import run_worker
+
+    run_worker(args.run_dir, args.policies, args.worker_id)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from astraflow.trainer.torch_backend import run_trainer
+
+    run_trainer(args.run_dir, args.policy)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from astraflow.config.rundir import RunDir
+    from astraflow.models import base_model_dir
+    from astraflow.rollout.evaluate import evaluate
+
+    run = RunDir.open(args.run_dir)
+    base = base_model_dir(run.path, run.config.model.path)
+    out = {"eval_accuracy_base": evaluate(base, None, run.config)}
+    for policy in run.config.policy_names:
+        versions = sorted((run.path / "weights" / policy).glob("v*"), key=lambda p: int(p.name[1:]))
+        if versions:
+            out[f"eval_accuracy_{policy}"] = evaluate(base, versions[-1], run.config)
+            out.setdefault("eval_accuracy", out[f"eval_accuracy_{policy}"])
+            out.setdefault("eval_version", int(versions[-1].name[1:]))
+    print(json.dumps(out))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from astraflow.launch.local import run_local
+
+    summary = run_local(args.config, args.run_dir, args.set, quiet=args.quiet)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="the run directory (created if absent)")
     p.add_argument("--config", help="YAML config (needed only to create a new run directory)")
@@ -57,6 +126,39 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
     p.add_argument("--local", action="store_true", help="treat as a local run even under Slurm (bind loopback)")
     p.set_defaults(fn=_dataflow)
+
+    p = sub.add_parser("run", help="run every component locally, supervised (the embedded default)")
+    p.add_argument("config", nargs="?", help="YAML config (omit with --run-dir to resume a run)")
+    p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>; existing: resume)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.set_defaults(fn=_run)
+
+    p = sub.add_parser("rollout", help="run a rollout worker")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--policies", nargs="*", default=[], help="policies to host (default: all)")
+    p.add_argument("--worker-id", help="stable base id (default: from Slurm, else host-pid)")
+    p.set_defaults(fn=_rollout)
+
+    p = sub.add_parser("train", help="run the trainer of one policy")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--policy", required=True)
+    p.set_defaults(fn=_train)
+
+    p = sub.add_parser("make-model", help="write a tiny real HF model with a locally trained tokenizer")
+    p.add_argument("out_dir")
+    p.add_argument("--arch", default="qwen2", choices=("qwen2", "llama"))
+    p.add_argument("--size", default="tiny", choices=("tiny", "small"))
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_make_model)
+
+    p = sub.add_parser("prepare", help="build and warm up a run's model (astraflow run does this)")
+    p.add_argument("--run-dir", required=True)
+    p.set_defaults(fn=_prepare)
+
+    p = sub.add_parser("eval", help="greedy held-out accuracy of the base and the last published weights")
+    p.add_argument("--run-dir", required=True)
+    p.set_defaults(fn=_eval)
 
     p = sub.add_parser("inspect", help="summarise a run's HDF5 trajectory shards (works on a live run)")
     p.add_argument("run_dir")

@@ -66,10 +66,14 @@ class TaskSourceConfig:
     max_operand: int = 20
     # Number of held-out prompts never handed out for training (evaluation split).
     heldout: int = 200
+    # Number of prompts reserved for the supervised warm-up (disjoint from both other splits).
+    warmup: int = 0
     # Rollouts per task (one GRPO group).
     group_size: int = 8
     # Stop handing out tasks after this many (0 = unlimited, cycling through the source).
     max_tasks: int = 0
+    workflow: str = choice("rlvr", "rlvr")
+    reward: str = choice("exact_match", "exact_match", "math_verify")
 
 
 @dataclass(frozen=True)
@@ -84,12 +88,72 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # an HF model directory; empty = build one from arch/size into RUN_DIR/model
+    arch: str = choice("qwen2", "qwen2", "llama")
+    size: str = choice("tiny", "tiny", "small")
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Short supervised warm-up on the task format, so RL starts weak but not from zero."""
+    steps: int = 0
+    lr: float = 3e-3
+    batch_size: int = 64
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kind: str = choice("hf", "hf")
+    max_tokens: int = 8
+    temperature: float = 1.0
+    threads: int = 1  # torch threads per engine process
+    max_batch: int = 256
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    workers: int = 1
+    concurrency: int = 16  # tasks in flight per worker
+    weight_poll_s: float = runtime(0.2)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    backend: str = choice("torch", "torch")
+    steps: int = 50
+    batch_size: int = 64  # samples per step, all ranks together
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2
+    is_cap: float = 2.0  # truncation of the behaviour importance weight (decoupled PPO)
+    minibatches: int = 1
+    checkpoint_every: int = 10
+    world: int = 1
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+
+
+@dataclass(frozen=True)
 class Config:
     policies: tuple[PolicyConfig, ...]
     run: RunConfig = RunConfig()
     dataflow: DataflowConfig = DataflowConfig()
     store: StoreConfig = StoreConfig()
     tasks: TaskSourceConfig = TaskSourceConfig()
+    model: ModelConfig = ModelConfig()
+    warmup: WarmupConfig = WarmupConfig()
+    engine: EngineConfig = EngineConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    launcher: LauncherConfig = LauncherConfig()
 
     def policy(self, name: str) -> PolicyConfig:
         for p in self.policies:

@@ -24,7 +24,7 @@ from astraflow.config.schema import Config
 from astraflow.dataflow.buffers import CONSUMED, FILTERED, READY, PolicyBuffer, SampleInfo, group_stats
 from astraflow.dataflow.leases import TaskTable
 from astraflow.dataflow.status import WaitTracker, build_status
-from astraflow.dataflow.tasks import TaskSource
+from astraflow.tasks.sources import TaskSource
 from astraflow.dataflow.weights import WeightRegistry
 from astraflow.dataflow.workers import WorkerRegistry
 from astraflow.protocol import messages as m

@@ -7,7 +7,7 @@ from astraflow.config.loader import ConfigError
 from astraflow.config.schema import TaskSourceConfig
 from astraflow.dataflow.buffers import CONSUMED, DROPPED, READY, PolicyBuffer, SampleInfo
 from astraflow.dataflow.leases import TaskTable
-from astraflow.dataflow.tasks import TaskSource
+from astraflow.tasks.sources import TaskSource
 
 
 def test_arithmetic_source_is_deterministic_with_disjoint_heldout():

@@ -1,7 +1,8 @@
 """Prompt sources: where tasks come from.
 
 A source is a fixed list of (prompt, answer) items split once, by a seeded permutation, into
-a held-out evaluation split (never handed out for training) and the training split. Task
+a held-out evaluation split (never handed out for training), a warm-up split (supervised
+warm-up only) and the training split; the three are disjoint. Task
 ids are dense integers; task `i` is training item `perm_e[i % n]` of epoch `e = i // n`,
 each epoch with its own seeded permutation. The mapping is a pure function of the config,
 so a restarted dataflow rank hands out exactly the same task for the same id.
@@ -67,12 +68,14 @@ SOURCES: dict[str, Callable[[TaskSourceConfig], list[Item]]] = {
 class TaskSource:
     def __init__(self, cfg: TaskSourceConfig) -> None:
         items = SOURCES[cfg.kind](cfg)
-        if len(items) <= cfg.heldout:
-            raise ConfigError(f"tasks: the {cfg.kind} source has {len(items)} items, "
-                              f"not enough for heldout={cfg.heldout} plus training")
+        if len(items) <= cfg.heldout + cfg.warmup:
+            raise ConfigError(f"tasks: the {cfg.kind} source has {len(items)} items, not enough for "
+                              f"heldout={cfg.heldout} + warmup={cfg.warmup} plus training")
         perm = np.random.default_rng([cfg.seed, 0]).permutation(len(items))
+        cut = cfg.heldout + cfg.warmup
         self.heldout = [items[i] for i in perm[: cfg.heldout]]
-        self.train = [items[i] for i in perm[cfg.heldout:]]
+        self.warmup = [items[i] for i in perm[cfg.heldout:cut]]
+        self.train = [items[i] for i in perm[cut:]]
         self.cfg = cfg
         self._epoch_perm: dict[int, np.ndarray] = {}
 

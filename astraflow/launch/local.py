@@ -1,0 +1,87 @@
+"""`astraflow run CONFIG`: every component as a supervised local process on one machine.
+
+Order: prepare the model (build it from config and warm it up, once per run directory, in a
+child process — the launcher itself never imports torch), start the dataflow rank, then one
+trainer per policy (`trainer.world` ranks each) and `rollout.workers` rollout workers. The
+run ends when every trainer has finished its steps; then workers and the dataflow rank are
+stopped, the last published weights are evaluated greedily on the held-out prompts, and
+`RUN_DIR/summary.json` is written. `astraflow run --run-dir EXISTING` resumes a run: every
+component picks up from the run directory (shards, journal, checkpoints).
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from astraflow.config.rundir import RunDir
+from astraflow.launch.progress import Progress
+from astraflow.launch.summary import write_summary
+from astraflow.launch.supervisor import Component, ComponentFailed, Supervisor
+from astraflow.protocol import messages as m
+from astraflow.protocol.client import Client, wait_rendezvous
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "astraflow.cli.main", *args]
+
+
+def run_local(config: str | None, run_dir: str | None, overrides: list[str], quiet: bool = False) -> dict:
+    if run_dir is None:
+        if config is None:
+            raise SystemExit("astraflow run: give a config file or --run-dir of an existing run")
+        run_dir = f"runs/{Path(config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run = RunDir.create_or_open(run_dir, config, overrides)
+    cfg = run.config
+    started = time.time()
+    logs = run.path / "logs"
+    prep = subprocess.run(_cli("prepare", "--run-dir", str(run.path)), stdout=open(logs / "prepare.log", "a"),
+                          stderr=subprocess.STDOUT)
+    if prep.returncode != 0:
+        raise SystemExit(f"astraflow run: model preparation failed; see {logs / 'prepare.log'}")
+    sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
+    t_components = time.time()
+    try:
+        sup.add(Component("dataflow", [_cli("dataflow", "--run-dir", str(run.path), "--local")], logs))
+        wait_rendezvous(run.path, timeout_s=60, newer_than=t_components)
+        trainers = []
+        for p in cfg.policy_names:
+            world = cfg.trainer.world
+            envs = [{"ASTRAFLOW_RANK": str(r), "ASTRAFLOW_WORLD": str(world)} for r in range(world)]
+            sup.add(Component(f"trainer-{p}", [_cli("train", "--run-dir", str(run.path), "--policy", p)] * world,
+                              logs, env=envs))
+            trainers.append(f"trainer-{p}")
+        for i in range(cfg.rollout.workers):
+            sup.add(Component(f"rollout-{i}", [_cli("rollout", "--run-dir", str(run.path), "--worker-id", f"local-{i}")],
+                              logs))
+        progress = Progress(run, quiet)
+        remaining = set(trainers)
+        while remaining:
+            remaining -= set(sup.poll())
+            progress.update()
+            time.sleep(POLL_S)
+        progress.close()
+        status = _status(run)
+    except ComponentFailed as e:
+        sup.stop()
+        raise SystemExit(f"astraflow run: {e}") from None
+    except KeyboardInterrupt:
+        sup.stop()
+        raise SystemExit(f"astraflow run: interrupted; resume with `astraflow run --run-dir {run.path}`") from None
+    sup.stop()
+    wall = time.time() - started
+    return write_summary(run, status, wall_s=wall, components_s=time.time() - t_components)
+
+
+def _status(run: RunDir) -> dict:
+    client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=10)
+    try:
+        return client.call(m.Status()).status
+    finally:
+        client.close()
+

@@ -1,0 +1,77 @@
+"""`RUN_DIR/summary.json`: what a run achieved, from its own data.
+
+reward_first / reward_last: mean training reward over the first / last 10% of steps;
+time_to_target_s / samples_to_target: the first moment the moving average (5 steps) of the
+training reward reaches `TARGET`; samples_per_s: completions trained on per second of the
+components' wall time; eval_accuracy: greedy accuracy of the last published weights on the
+held-out prompts (eval_accuracy_base: the same for the starting weights).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from astraflow.config.rundir import RunDir
+
+TARGET = 0.8
+WINDOW = 5
+
+
+def _metrics(run: RunDir, policy: str) -> list[dict]:
+    path = run.path / "metrics" / f"{policy}.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def policy_summary(rows: list[dict], t_start: float) -> dict:
+    if not rows:
+        return {"steps": 0}
+    rewards = np.array([r["reward_mean"] for r in rows])
+    k = max(1, len(rows) // 10)
+    samples = np.cumsum([r["samples"] for r in rows])
+    moving = np.convolve(rewards, np.ones(WINDOW) / WINDOW, mode="valid") if len(rows) >= WINDOW else rewards[-1:]
+    hit = np.flatnonzero(moving >= TARGET)
+    first = int(hit[0]) + (WINDOW - 1 if len(rows) >= WINDOW else len(rows) - 1) if len(hit) else None
+    return {"steps": int(rows[-1]["step"]), "reward_first": float(rewards[:k].mean()),
+            "reward_last": float(rewards[-k:].mean()),
+            "time_to_target_s": rows[first]["time"] - t_start if first is not None else None,
+            "samples_to_target": int(samples[first]) if first is not None else None,
+            "completion_len": float(np.mean([r["completion_len"] for r in rows])),
+            "version_lag": float(np.mean([r["version_lag"] for r in rows])),
+            "trained": int(samples[-1])}
+
+
+def write_summary(run: RunDir, status: dict, wall_s: float, components_s: float) -> dict:
+    t_start = time.time() - components_s
+    out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "eval", "--run-dir", str(run.path)],
+                         capture_output=True, text=True)
+    evals = json.loads(out.stdout) if out.returncode == 0 else {"eval_error": out.stderr[-2000:]}
+    policies = {p: policy_summary(_metrics(run, p), t_start) for p in run.config.policy_names}
+    first = next(iter(policies.values()))
+    counts = status["policies"]
+    trained = sum(v.get("trained", 0) for v in policies.values())
+    summary = {
+        **{k: first.get(k) for k in ("reward_first", "reward_last", "steps", "time_to_target_s",
+                                      "samples_to_target", "completion_len")},
+        **evals,
+        "wall_s": wall_s,
+        "components_s": components_s,
+        "trajectories": sum(c["stored"] for c in counts.values()),
+        "generated": sum(c["stored"] for c in counts.values()),
+        "trained": trained,
+        "dropped": sum(c["dropped_stale"] + c["filtered"] for c in counts.values()),
+        "dropped_stale": sum(c["dropped_stale"] for c in counts.values()),
+        "filtered_zero_advantage": sum(c["filtered"] for c in counts.values()),
+        "samples_per_s": trained / components_s if components_s else None,
+        "target_reward": TARGET,
+        "policies": policies,
+    }
+    (run.path / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,111 @@
+"""Supervised child processes: the local launcher's executor.
+
+A `Component` is a named command with a log file. The supervisor starts it, notices when it
+exits, restarts it with exponential backoff (a group — the ranks of one trainer — is
+restarted as a whole, because a torch.distributed group that lost a rank cannot continue),
+and gives up after `max_restarts`, naming the component and its log. `stop()` sends SIGTERM,
+waits, then SIGKILLs what is left.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class ComponentFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Component:
+    name: str
+    commands: list[list[str]]  # one per process of the group (e.g. trainer ranks)
+    log_dir: Path
+    env: list[dict[str, str]] = field(default_factory=list)
+    restarts: int = 0
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    next_start: float = 0.0
+    done: bool = False  # exited 0 on its own: finished its work
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+
+class Supervisor:
+    def __init__(self, max_restarts: int, backoff_s: float) -> None:
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.components: dict[str, Component] = {}
+
+    def add(self, comp: Component) -> Component:
+        self.components[comp.name] = comp
+        self._start(comp)
+        return comp
+
+    def _start(self, comp: Component) -> None:
+        log_file = open(comp.log_path, "a")
+        log_file.write(f"--- start {comp.name} (restart {comp.restarts}) at {time.ctime()}\n")
+        log_file.flush()
+        comp.procs = []
+        for i, cmd in enumerate(comp.commands):
+            env = {**os.environ, **(comp.env[i] if i < len(comp.env) else {})}
+            comp.procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                               start_new_session=True))
+        log_file.close()
+
+    def poll(self) -> list[str]:
+        """Check every component; restart the crashed ones. Returns names that finished (exit 0)."""
+        finished = []
+        now = time.monotonic()
+        for comp in self.components.values():
+            if comp.done:
+                continue
+            if not comp.procs:  # waiting out its backoff
+                if now >= comp.next_start:
+                    self._start(comp)
+                continue
+            codes = [p.poll() for p in comp.procs]
+            if all(c == 0 for c in codes):
+                comp.done = True
+                finished.append(comp.name)
+                continue
+            if any(c not in (None, 0) for c in codes):
+                self._terminate(comp.procs)
+                comp.procs = []
+                comp.restarts += 1
+                if comp.restarts > self.max_restarts:
+                    raise ComponentFailed(f"{comp.name} failed {comp.restarts} times (exit codes {codes}); "
+                                          f"see {comp.log_path}")
+                delay = self.backoff_s * 2 ** (comp.restarts - 1)
+                comp.next_start = now + delay
+                log.warning("%s exited with %s; restart %d/%d in %.1fs (log: %s)", comp.name, codes,
+                            comp.restarts, self.max_restarts, delay, comp.log_path)
+        return finished
+
+    def stop(self, names: list[str] | None = None, timeout_s: float = 10.0) -> None:
+        comps = [self.components[n] for n in names] if names else list(self.components.values())
+        procs = [p for c in comps for p in c.procs if p.poll() is None]
+        self._terminate(procs, timeout_s)
+        for c in comps:
+            c.done = True
+
+    @staticmethod
+    def _terminate(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

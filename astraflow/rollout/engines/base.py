@@ -1,0 +1,41 @@
+"""The engine contract: generate with per-token logprobs, load weights of a given version.
+
+Engines batch internally: many episodes call `generate` concurrently and the engine runs
+them together (that is how one worker runs many episodes at once). `load_weights` happens
+between batches, never inside one, so every token of one `generate` call has one version;
+an episode that spans a reload carries both versions in its per-token record.
+
+`logprobs[i]` is the log-probability of `tokens[i]` under the distribution the token was
+sampled from (softmax of logits / temperature) — the behaviour policy the trainer corrects for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+
+
+@dataclass(frozen=True)
+class Completion:
+    tokens: np.ndarray  # int32, ends with EOS unless cut at max_tokens
+    logprobs: np.ndarray  # float32, same length
+    version: int  # weight version that generated every token of it
+    finished: bool  # ended with EOS
+
+
+class Engine(Protocol):
+    version: int
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> Completion: ...
+
+    async def load_weights(self, path: Path, version: int) -> None: ...
+
+    def close(self) -> None: ...

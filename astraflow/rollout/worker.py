@@ -1,0 +1,179 @@
+"""`astraflow rollout`: a rollout worker process.
+
+Registers with the dataflow rank, keeps `rollout.concurrency` tasks in flight (each an
+episode of the task's workflow; the engine batches their generation), commits each finished
+group, heartbeats and renews its leases, and swaps in new weight versions from the
+filesystem channel between engine batches. It follows a restarted dataflow rank through the
+rendezvous file and registers again when the rank no longer knows it. On SIGTERM (or Slurm's
+warning signal, SIGUSR1) it hands its leases back and exits.
+
+Invariant: a commit is retried until acknowledged (the dataflow rank recognises a repeat by
+task id), so a trajectory is lost only if this process dies before it is acknowledged — and
+then its task's lease expires and the task is handed out again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from astraflow.config.rundir import RunDir
+from astraflow.models import base_model_dir
+from astraflow.protocol import messages as m
+from astraflow.protocol.aclient import AsyncClient
+from astraflow.protocol.client import read_rendezvous, wait_rendezvous
+from astraflow.protocol.codec import RemoteError
+from astraflow.rollout.engines import ENGINES
+from astraflow.rollout.engines.base import SamplingParams
+from astraflow.weights.fs import path_of
+from astraflow.workflows import WORKFLOWS, EpisodeContext
+from astraflow.workflows.rewards import REWARDS
+
+log = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    def __init__(self, run: RunDir, policies: list[str], base_id: str) -> None:
+        self.rundir, self.cfg = run, run.config
+        self.policies = policies
+        self.base_id = base_id
+        self.worker_id = ""
+        self.inflight: dict[int, asyncio.Task] = {}
+        self.stopping = False
+        self.committed = 0
+
+    # ------------------------------------------------------------- plumbing
+    async def rpc(self, make: Callable[[], Any]) -> Any:
+        """Call until answered: follow a restarted rank, register again when forgotten."""
+        while True:
+            try:
+                if not self.worker_id:
+                    await self.register()
+                return await self.client.call(make())
+            except TimeoutError:
+                self.client.reconnect(read_rendezvous(self.rundir.path)["address"])
+            except RemoteError as e:
+                if e.code != "unknown_worker":
+                    raise
+                self.worker_id = ""
+            await asyncio.sleep(0.1)
+
+    async def register(self) -> None:
+        reply = await self.client.call(m.Register(
+            m.PROTOCOL_VERSION, self.base_id, self.policies, capacity=self.cfg.rollout.concurrency,
+            hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
+            partition=os.environ.get("SLURM_JOB_PARTITION", "local"), host=socket.gethostname(), pid=os.getpid()))
+        self.worker_id = reply.worker_id
+        self.heartbeat_s = reply.heartbeat_s
+        log.info("registered as %s", self.worker_id)
+
+    def versions(self) -> dict[str, int]:
+        return {p: e.version for p, e in self.engines.items()}
+
+    # ------------------------------------------------------------- loops
+    async def heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.heartbeat_s, self.cfg.dataflow.lease_s / 3))
+            await self.rpc(lambda: m.Heartbeat(self.worker_id, self.versions()))
+            if self.inflight:
+                await self.rpc(lambda: m.Renew(self.worker_id, list(self.inflight)))
+
+    async def weights_loop(self) -> None:
+        while True:
+            for policy, engine in self.engines.items():
+                reply = await self.rpc(lambda: m.Weights(policy))
+                if reply.version > engine.version:
+                    t0 = time.perf_counter()
+                    await engine.load_weights(path_of(reply.uri), reply.version)
+                    log.info("%s: loaded weights v%d in %.0f ms", policy, reply.version,
+                             (time.perf_counter() - t0) * 1e3)
+            await asyncio.sleep(self.cfg.rollout.weight_poll_s)
+
+    async def episode(self, task: m.Task) -> None:
+        trajs = await self.workflow(task, self.ctx)
+        batch = m.TrajectoryBatch.from_trajectories(trajs)
+        await self.rpc(lambda: m.Commit(self.worker_id, task.task_id, batch, self.versions()))
+        self.committed += 1
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        model_dir = base_model_dir(self.rundir.path, cfg.model.path)
+        self.engines = {p: ENGINES[cfg.engine.kind](str(model_dir), max_batch=cfg.engine.max_batch,
+                                                    threads=cfg.engine.threads, seed=cfg.run.seed)
+                        for p in self.policies}
+        codec = next(iter(self.engines.values())).codec
+        self.workflow = WORKFLOWS[cfg.tasks.workflow]
+        self.ctx = EpisodeContext(
+            engines=self.engines, codec=codec,
+            params=SamplingParams(cfg.engine.max_tokens, cfg.engine.temperature),
+            reward=REWARDS[cfg.tasks.reward], policy_index={p: i for i, p in enumerate(cfg.policy_names)},
+            rng=np.random.default_rng([cfg.run.seed, os.getpid()]))
+        self.client = AsyncClient(wait_rendezvous(self.rundir.path)["address"], self.rundir.read_secret(), timeout_s=10)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            loop.add_signal_handler(sig, self._stop)
+        await self.rpc(lambda: m.Heartbeat(self.worker_id))  # registers
+        background = [loop.create_task(self.heartbeat_loop()), loop.create_task(self.weights_loop())]
+        try:
+            await self.lease_loop()
+        finally:
+            for t in background:
+                t.cancel()
+            await self.hand_back()
+            for e in self.engines.values():
+                e.close()
+            self.client.close()
+
+    async def lease_loop(self) -> None:
+        while not self.stopping:
+            for tid in [t for t, task in self.inflight.items() if task.done()]:
+                self.inflight.pop(tid).result()  # re-raises a workflow bug instead of hiding it
+            free = self.cfg.rollout.concurrency - len(self.inflight)
+            if free > 0:
+                reply = await self.rpc(lambda: m.Lease(self.worker_id, free, self.versions()))
+                for task in reply.tasks:
+                    self.inflight[task.task_id] = asyncio.get_running_loop().create_task(self.episode(task))
+                if reply.reason == "exhausted" and not self.inflight:
+                    log.info("no tasks left: done after %d commits", self.committed)
+                    return
+                if reply.tasks:
+                    continue
+                await asyncio.sleep(max(0.02, reply.retry_after_s))
+            if self.inflight:
+                await asyncio.wait(list(self.inflight.values()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+
+    async def hand_back(self) -> None:
+        pending = [t for t, task in self.inflight.items() if not task.done()]
+        for task in self.inflight.values():
+            task.cancel()
+        if pending and self.worker_id:
+            try:
+                await self.client.call(m.Release(self.worker_id, pending), timeout_s=5)
+                log.info("handed back %d leases", len(pending))
+            except (TimeoutError, RemoteError) as e:
+                log.warning("could not hand back leases (%s); they will expire", e)
+
+    def _stop(self) -> None:
+        log.info("stop requested: handing back leases")
+        self.stopping = True
+
+
+def run_worker(run_dir: str, policies: list[str], worker_id: str | None) -> None:
+    run = RunDir.open(run_dir)
+    base = worker_id or default_worker_id()
+    asyncio.run(RolloutWorker(run, policies or list(run.config.policy_names), base).run())
+
+
+def default_worker_id() -> str:
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"slurm-{array}_{task}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}_{os.environ.get('SLURM_PROCID', '0')}"
+    return f"{socket.gethostname()}-{os.getpid()}"

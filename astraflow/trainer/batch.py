@@ -1,0 +1,53 @@
+"""A served `BatchReply` as padded tensors for a causal LM (right padding)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from astraflow.protocol.messages import BatchReply
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    targets: torch.Tensor  # (B, L-1): input_ids shifted left
+    loss_mask: torch.Tensor  # (B, L-1): which targets this policy trains on
+    behaviour_logp: torch.Tensor  # (B, L-1)
+    versions: torch.Tensor  # (B, L-1)
+    advantages: torch.Tensor  # (B,)
+    rewards: torch.Tensor  # (B,)
+
+    def select(self, rows: slice) -> "TrainBatch":
+        return TrainBatch(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
+
+
+def to_tensors(reply: BatchReply, pad_id: int) -> TrainBatch:
+    t = reply.trajectories
+    n, width = len(t), int(t.lengths.max())
+    ids = np.full((n, width), pad_id, np.int64)
+    attn = np.zeros((n, width), np.int64)
+    mask = np.zeros((n, width), np.float32)
+    lp = np.zeros((n, width), np.float32)
+    ver = np.full((n, width), -1, np.int64)
+    for i in range(n):
+        lo, hi = t.offsets[i], t.offsets[i + 1]
+        k = hi - lo
+        ids[i, :k] = t.tokens[lo:hi]
+        attn[i, :k] = 1
+        mask[i, :k] = t.loss_mask[lo:hi]
+        lp[i, :k] = t.logprobs[lo:hi]
+        ver[i, :k] = t.versions[lo:hi]
+    # the token at position j is predicted from positions < j: targets and their masks shift by one
+    return TrainBatch(torch.from_numpy(ids), torch.from_numpy(attn), torch.from_numpy(ids[:, 1:]),
+                      torch.from_numpy(mask[:, 1:]), torch.from_numpy(lp[:, 1:]), torch.from_numpy(ver[:, 1:]),
+                      torch.from_numpy(reply.advantages.astype(np.float32)),
+                      torch.from_numpy(t.reward.astype(np.float32)))
+
+
+def token_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """log pi(target | prefix) for every position, (B, L-1)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, batch.targets[..., None]).squeeze(-1)

@@ -1,0 +1,46 @@
+"""The RL objective: GRPO advantages with decoupled PPO (Hilton et al., 2022).
+
+Three policies meet in an asynchronous system: the behaviour policy mu that generated a
+token (its logprob travels with the sample, possibly several versions old), the proximal
+policy pi_prox (the trainer's weights at the start of this step) and pi_theta (being
+optimised). Decoupled PPO clips the ratio pi_theta / pi_prox — the trust region is around
+where the trainer is, not where a stale worker was — and corrects for staleness with the
+importance weight pi_prox / mu, truncated at `is_cap` so one very stale token cannot
+dominate. With mu = pi_prox (fully on-policy) it is exactly PPO-clip. Why not plain
+truncated IS against mu alone: the clip region would then be centred on an old policy, and
+a few versions of lag would clip away most of the signal.
+
+Loss is averaged over all trainable tokens of the batch (token-mean).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossStats:
+    loss: float
+    clip_frac: float
+    is_weight: float
+    behaviour_kl: float
+
+
+def decoupled_ppo_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: torch.Tensor,
+                       advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
+                       is_cap: float) -> tuple[torch.Tensor, LossStats]:
+    """All token tensors are (batch, tokens); `advantages` is (batch,); `mask` selects trained tokens."""
+    mask = mask.float()
+    n = mask.sum().clamp(min=1.0)
+    weight = torch.exp(logp_prox - logp_behaviour).clamp(max=is_cap).detach()
+    ratio = torch.exp(logp - logp_prox.detach())
+    adv = advantages[:, None]
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    loss = -(weight * surrogate * mask).sum() / n
+    with torch.no_grad():
+        clipped = ((ratio - 1).abs() > clip_eps).float()
+        stats = LossStats(loss=float(loss), clip_frac=float((clipped * mask).sum() / n),
+                          is_weight=float((weight * mask).sum() / n),
+                          behaviour_kl=float(((logp_behaviour - logp_prox) * mask).sum() / n))
+    return loss, stats

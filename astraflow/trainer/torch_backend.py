@@ -1,0 +1,176 @@
+"""`astraflow train --policy P`: the torch backend (HF model, AdamW, DDP over gloo on CPU).
+
+Per step: pull the step's batch from the dataflow rank (blocking; a replayed step after a
+restart gets the same samples), compute the proximal logprobs once, take `minibatches`
+optimizer steps of decoupled PPO, publish weights version = step (rank 0, filesystem channel),
+announce it, then acknowledge the step's samples (`consumed`). Every `checkpoint_every` steps
+model + optimizer + step are saved atomically; a restarted trainer resumes from the newest
+checkpoint and tells the dataflow rank (`ready(resume_step)`), which re-serves exactly the
+steps after it. Version v of the weights is the model after step v (v0 = the base model).
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from astraflow.config.rundir import RunDir
+from astraflow.models import base_model_dir
+from astraflow.models.tokenizer import TextCodec
+from astraflow.protocol import messages as m
+from astraflow.protocol.client import Client, read_rendezvous, wait_rendezvous
+from astraflow.protocol.codec import RemoteError
+from astraflow.trainer.batch import to_tensors, token_logprobs
+from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, save_checkpoint
+from astraflow.trainer.loss import decoupled_ppo_loss
+from astraflow.weights.fs import publish
+
+log = logging.getLogger(__name__)
+
+BATCH_TIMEOUT_S = 30.0
+METRIC_FIELDS = ("step", "time", "reward_mean", "loss", "clip_frac", "is_weight", "behaviour_kl", "grad_norm",
+                 "samples", "tokens", "completion_len", "version_lag", "wait_s", "train_s")
+
+
+class TorchTrainer:
+    def __init__(self, run: RunDir, policy: str, rank: int = 0, world: int = 1) -> None:
+        self.run, self.cfg, self.policy = run, run.config, policy
+        self.tcfg = run.config.trainer
+        self.rank, self.world = rank, world
+        torch.set_num_threads(self.tcfg.threads)
+        torch.manual_seed(run.config.run.seed + rank)
+        self.base_dir = base_model_dir(run.path, run.config.model.path)
+        self.codec = TextCodec(self.base_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
+        self.ckpt_dir = run.path / "checkpoints" / policy
+        self.step = 0
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        if ckpt is not None:
+            state = torch.load(ckpt, weights_only=True)
+            self.model.load_state_dict(state["model"])
+            self.optim.load_state_dict(state["optim"])
+            self.step = int(state["step"])
+            log.info("resumed from %s (step %d)", ckpt.name, self.step)
+        self.ddp = self.model
+        if world > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=BATCH_TIMEOUT_S)
+        self.stop = False
+        signal.signal(signal.SIGUSR1, self._checkpoint_and_stop)  # Slurm's warning before preemption
+        signal.signal(signal.SIGTERM, self._checkpoint_and_stop)
+
+    def _checkpoint_and_stop(self, signum, frame) -> None:
+        self.stop = True
+
+    def call(self, request):
+        """Retry through dataflow restarts; every request the trainer makes is idempotent."""
+        while True:
+            try:
+                return self.client.call(request)
+            except TimeoutError:
+                self.client.reconnect(read_rendezvous(self.run.path)["address"])
+
+    def run_loop(self) -> None:
+        ready = self.call(m.Ready(m.PROTOCOL_VERSION, self.policy, self.step,
+                                  hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
+                                  partition=os.environ.get("SLURM_JOB_PARTITION", "local"), world=self.world))
+        if ready.replay_steps:
+            log.info("dataflow rank will replay steps %s", ready.replay_steps)
+        metrics = self.run.path / "metrics" / f"{self.policy}.csv"
+        new_file = not metrics.exists()
+        with open(metrics, "a", newline="") as f:
+            writer = csv.DictWriter(f, METRIC_FIELDS)
+            if new_file and self.rank == 0:
+                writer.writeheader()
+            while self.step < self.tcfg.steps and not self.stop:
+                row = self.train_step(self.step + 1)
+                if row is None:
+                    break
+                if self.rank == 0:
+                    writer.writerow(row)
+                    f.flush()
+        if self.stop and self.rank == 0:
+            save_checkpoint(self.ckpt_dir, self.model, self.optim, self.step)
+        self.client.close()
+
+    def train_step(self, step: int) -> dict | None:
+        t0 = time.perf_counter()
+        try:
+            reply = self.call(m.Batch(self.policy, step, self.tcfg.batch_size, self.rank, self.world, self.step))
+        except RemoteError as e:
+            if e.code == "exhausted":
+                log.info("no samples left: stopping at step %d", self.step)
+                return None
+            raise
+        wait = time.perf_counter() - t0
+        batch = to_tensors(reply, self.codec.pad_id)
+        self.model.train()
+        with torch.no_grad():
+            prox = token_logprobs(self.model, batch)
+        n = len(batch.advantages)
+        per = max(1, n // self.tcfg.minibatches)
+        stats = None
+        for lo in range(0, n, per):
+            rows = slice(lo, lo + per)
+            mb = batch.select(rows)
+            loss, stats = decoupled_ppo_loss(token_logprobs(self.ddp, mb), prox[rows], mb.behaviour_logp,
+                                             mb.advantages, mb.loss_mask, self.tcfg.clip_eps, self.tcfg.is_cap)
+            self.optim.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip))
+            self.optim.step()
+        self.step = step
+        ids = self._all_sample_ids(reply)
+        if self.rank == 0:
+            uri = publish(self.model.state_dict(), self.base_dir, self.run.path / "weights", self.policy, step)
+            pinned = self._maybe_checkpoint(step)
+            self.call(m.Published(self.policy, step, uri, pinned))
+            self.call(m.Consumed(self.policy, step, ids))
+        trained = batch.loss_mask.sum().item()
+        lag = float((self.step - 1 - batch.versions.float())[batch.loss_mask > 0].mean()) if trained else 0.0
+        return {"step": step, "time": time.time(), "reward_mean": float(batch.rewards.mean()),
+                "loss": stats.loss, "clip_frac": stats.clip_frac, "is_weight": stats.is_weight,
+                "behaviour_kl": stats.behaviour_kl, "grad_norm": grad_norm, "samples": n * self.world,
+                "tokens": int(batch.attention_mask.sum()) * self.world, "completion_len": trained / max(1, n),
+                "version_lag": lag, "wait_s": wait, "train_s": time.perf_counter() - t0 - wait}
+
+    def _all_sample_ids(self, reply: m.BatchReply) -> list[int]:
+        ids = reply.sample_ids.tolist()
+        if self.world == 1:
+            return ids
+        gathered: list[list[int]] = [None] * self.world  # type: ignore[list-item]
+        dist.all_gather_object(gathered, ids)
+        # the dataflow rank dealt ids[rank::world]; interleave them back into serving order
+        out = [None] * sum(len(g) for g in gathered)
+        for r, g in enumerate(gathered):
+            out[r::self.world] = g
+        return out
+
+    def _maybe_checkpoint(self, step: int) -> list[int]:
+        if step % self.tcfg.checkpoint_every == 0 or step == self.tcfg.steps:
+            save_checkpoint(self.ckpt_dir, self.model, self.optim, step)
+        return checkpoint_steps(self.ckpt_dir)
+
+
+def run_trainer(run_dir: str, policy: str) -> None:
+    run = RunDir.open(run_dir)
+    rank = int(os.environ.get("ASTRAFLOW_RANK", "0"))
+    world = int(os.environ.get("ASTRAFLOW_WORLD", str(run.config.trainer.world)))
+    if world > 1:
+        store = Path(run.path) / "rendezvous" / f"torch-{policy}"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+    TorchTrainer(run, policy, rank, world).run_loop()
+    if world > 1:
+        dist.destroy_process_group()
+
+

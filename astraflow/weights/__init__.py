@@ -1,0 +1,1 @@
+"""The weight channel between trainers and rollout engines."""

@@ -1,0 +1,59 @@
+"""Filesystem weight channel: each version published atomically as an HF model directory.
+
+`publish()` writes `RUN_DIR/weights/<policy>/.v<N>.tmp/` (safetensors + config + tokenizer),
+fsyncs the files and renames the directory to `v<N>`: a reader either sees a complete
+version or none. The URI handed to the dataflow rank is `file://<absolute path>`. The
+channel crosses job and region boundaries because it is only files on the shared filesystem.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+
+COPIED = ("config.json", "tokenizer.json", "generation_config.json")
+
+
+def version_dir(weights_root: Path, policy: str, version: int) -> Path:
+    return Path(weights_root) / policy / f"v{version}"
+
+
+def publish(state_dict: dict, base_model_dir: Path, weights_root: Path, policy: str, version: int) -> str:
+    from safetensors.torch import save_file
+
+    final = version_dir(weights_root, policy, version)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
+    for name in COPIED:
+        if (Path(base_model_dir) / name).exists():
+            shutil.copy(Path(base_model_dir) / name, tmp / name)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():  # a re-publish after a trainer restart replaces the old copy
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return f"file://{final.resolve()}"
+
+
+def path_of(uri: str) -> Path:
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        raise ValueError(f"weights URI {uri!r}: only file:// is served by the filesystem channel")
+    return Path(parsed.path)
+
+
+def load_state_dict(uri_or_dir: str | Path) -> dict:
+    from safetensors.torch import load_file
+
+    path = path_of(uri_or_dir) if isinstance(uri_or_dir, str) and "://" in uri_or_dir else Path(uri_or_dir)
+    return load_file(str(path / "model.safetensors"))
