@@ -9,9 +9,13 @@ DEMO_RUN ?= runs/demo
 
 .PHONY: install test demo bench clean
 
+# torch first, pinned to the CPU build: an unpinned torch would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 

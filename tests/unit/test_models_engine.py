@@ -1,0 +1,76 @@
+"""Tiny models from config, the hf engine's logprobs, and in-place weight reloads."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from astraflow.models.factory import make_model
+from astraflow.models.tokenizer import TextCodec
+from astraflow.rollout.engines.base import SamplingParams
+from astraflow.rollout.engines.hf import HFEngine
+from astraflow.weights.fs import load_state_dict, path_of, publish
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model("qwen2", "tiny", tmp_path_factory.mktemp("m") / "model", seed=0, corpus=["12+7=19"])
+
+
+def teacher_forced(model, prompt: list[int], tokens: np.ndarray, temperature: float) -> np.ndarray:
+    seq = torch.tensor([prompt + tokens.tolist()])
+    with torch.no_grad():
+        logits = model(seq).logits[0, len(prompt) - 1:-1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None]).squeeze(-1).numpy()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_make_model_writes_an_untied_hf_model_and_tokenizer(tmp_path, arch):
+    out = make_model(arch, "tiny", tmp_path / arch, corpus=["a b"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == arch and cfg["tie_word_embeddings"] is False
+    codec = TextCodec(out)
+    assert codec.decode(codec.encode_prompt("What is 12 + 7?")) == "What is 12 + 7?"  # spaces survive
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) < 200_000
+    with pytest.raises(ValueError, match=r"--size 'huge': expected one of \['tiny', 'small'\]"):
+        make_model(arch, "huge", tmp_path / "x")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_match_a_teacher_forced_pass(model_dir, temperature):
+    engine = HFEngine(model_dir, seed=1)
+    prompts = [engine.codec.encode_prompt(p) for p in ("1+2=", "13-4=", "7+7=")]
+
+    async def go():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(12, temperature)) for p in prompts))
+
+    outs = asyncio.run(go())
+    for p, o in zip(prompts, outs):
+        assert len(o.tokens) == len(o.logprobs) > 0 and o.version == 0
+        np.testing.assert_allclose(o.logprobs, teacher_forced(engine.model, p, o.tokens, temperature), atol=1e-5)
+
+
+def test_reload_serves_exactly_the_published_weights(model_dir, tmp_path):
+    trainer_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():  # a "training step": every tensor moves, lm_head included
+        for p in trainer_model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    uri = publish(trainer_model.state_dict(), model_dir, tmp_path / "weights", "policy", 3)
+    final = path_of(uri)
+    assert final.name == "v3" and not list(final.parent.glob(".*tmp"))
+    assert set(load_state_dict(uri)) == set(trainer_model.state_dict())
+    engine = HFEngine(model_dir, seed=2)
+    prompt = engine.codec.encode_prompt("5+5=")
+
+    async def go():
+        await engine.load_weights(final, 3)
+        return await engine.generate(prompt, SamplingParams(10, 1.0))
+
+    out = asyncio.run(go())
+    assert out.version == 3
+    np.testing.assert_allclose(out.logprobs, teacher_forced(trainer_model, prompt, out.tokens, 1.0), atol=1e-5)
