@@ -1,0 +1,74 @@
+"""Request batching shared by the engines: many episodes call `generate`, one batch runs.
+
+Requests that arrive while a batch runs are collected and run together next (continuous
+batching at request granularity); requests with different sampling parameters go in
+different batches. Batches and weight loads run in a worker thread, one at a time, so the
+event loop keeps serving episodes (tool calls, commits) meanwhile and a reload never lands
+inside a batch. Subclasses implement `generate_batch` and `load_path`.
+"""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from astraflow.rollout.engines.base import Completion, SamplingParams
+
+
+class BatchingEngine:
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = max_batch
+        self.version = 0
+        self._queue: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._wake: asyncio.Event | None = None
+        self._lock: asyncio.Lock | None = None
+        self._runner: asyncio.Task | None = None
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        raise NotImplementedError
+
+    def load_path(self, path: Path) -> None:
+        raise NotImplementedError
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
+        self._ensure_runner()
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((prompt, params, fut))
+        self._wake.set()
+        return await fut
+
+    async def load_weights(self, path: Path, version: int) -> None:
+        self._ensure_runner()
+        async with self._lock:  # between batches
+            await asyncio.to_thread(self.load_path, Path(path))
+            self.version = version
+
+    def close(self) -> None:
+        if self._runner:
+            self._runner.cancel()
+
+    def _ensure_runner(self) -> None:
+        if self._runner is None:
+            self._wake, self._lock = asyncio.Event(), asyncio.Lock()
+            self._runner = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                params = self._queue[0][1]
+                batch = [r for r in self._queue if r[1] == params][: self.max_batch]
+                taken = {id(r) for r in batch}
+                self._queue = [r for r in self._queue if id(r) not in taken]
+                async with self._lock:
+                    try:
+                        outs = await asyncio.to_thread(self.generate_batch, [b[0] for b in batch], params)
+                    except Exception as e:  # noqa: BLE001 - fail the callers, keep the engine
+                        outs = None
+                        for *_, fut in batch:
+                            if not fut.done():
+                                fut.set_exception(e)
+                if outs is not None:
+                    for (*_, fut), out in zip(batch, outs):
+                        if not fut.done():
+                            fut.set_result(out)
