@@ -62,8 +62,10 @@ class TaskSourceConfig:
     kind: str = choice("arithmetic", "arithmetic", "jsonl")
     path: str = ""  # jsonl: one {"prompt": ..., "answer": ...} object per line
     seed: int = 0
-    # arithmetic: operands are drawn from [0, max_operand]
+    # arithmetic: operands are drawn from [0, max_operand]; the answer is the full result or
+    # only its units digit
     max_operand: int = 20
+    answer: str = choice("full", "full", "units")
     # Number of held-out prompts never handed out for training (evaluation split).
     heldout: int = 200
     # Number of prompts reserved for the supervised warm-up (disjoint from both other splits).
@@ -105,7 +107,7 @@ class WarmupConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    kind: str = choice("hf", "hf")
+    kind: str = choice("hf", "hf", "vllm")
     max_tokens: int = 8
     temperature: float = 1.0
     threads: int = 1  # torch threads per engine process

