@@ -29,12 +29,11 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 tests
 
-# Until rollout workers and trainers land, the main job is the dataflow rank under a real
-# load: 8 worker processes commit, a consumer is served and verifies, then the shards are
-# inspected.
+# The main job: configs/quickstart.yaml as local supervised processes (dataflow rank, vLLM
+# rollout worker, trainer), then a look at the shards it wrote.
 demo: $(STAMP)
 	rm -rf $(DEMO_RUN)
-	$(VENV)/bin/astraflow bench dataflow --seconds 10 --run-dir $(DEMO_RUN)
+	$(VENV)/bin/astraflow run configs/quickstart.yaml --run-dir $(DEMO_RUN)
 	$(VENV)/bin/astraflow inspect $(DEMO_RUN)
 
 bench: $(STAMP)

@@ -98,6 +98,7 @@ def _eval(args: argparse.Namespace) -> int:
             out[f"eval_accuracy_{policy}"] = evaluate(base, versions[-1], run.config)
             out.setdefault("eval_accuracy", out[f"eval_accuracy_{policy}"])
             out.setdefault("eval_version", int(versions[-1].name[1:]))
+    (run.path / "eval.json").write_text(json.dumps(out, indent=2))  # engines may print to stdout
     print(json.dumps(out))
     return 0
 
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True)
     p.set_defaults(fn=_prepare)
 
-    p = sub.add_parser("eval", help="greedy held-out accuracy of the base and the last published weights")
+    p = sub.add_parser("eval", help="greedy held-out accuracy of the base and last published weights (eval.json)")
     p.add_argument("--run-dir", required=True)
     p.set_defaults(fn=_eval)
 

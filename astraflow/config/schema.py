@@ -62,10 +62,10 @@ class TaskSourceConfig:
     kind: str = choice("arithmetic", "arithmetic", "jsonl")
     path: str = ""  # jsonl: one {"prompt": ..., "answer": ...} object per line
     seed: int = 0
-    # arithmetic: operands are drawn from [0, max_operand]; the answer is the full result or
-    # only its units digit
+    # arithmetic: operands are drawn from [0, max_operand]; the answer is the full result, its
+    # units digit or its parity
     max_operand: int = 20
-    answer: str = choice("full", "full", "units")
+    answer: str = choice("full", "full", "units", "parity")
     # Number of held-out prompts never handed out for training (evaluation split).
     heldout: int = 200
     # Number of prompts reserved for the supervised warm-up (disjoint from both other splits).

@@ -49,10 +49,14 @@ class PolicyBuffer:
         ("stored", "served", "consumed", "dropped_stale", "filtered", "replayed"), 0))
     trainer_step: int = 0
     trainer_version: int = 0
+    reward_sum: float = 0.0  # of every sample added since `generated_reward()` was last read
+    reward_count: int = 0
 
-    def add(self, info: SampleInfo, filtered: bool) -> None:
+    def add(self, info: SampleInfo, filtered: bool, reward: float) -> None:
         self.samples[info.sample_id] = info
         self.counts["stored"] += 1
+        self.reward_sum += reward
+        self.reward_count += 1
         if filtered:
             info.state, info.payload = FILTERED, None
             self.counts["filtered"] += 1
@@ -123,6 +127,13 @@ class PolicyBuffer:
         self.served.clear()
         self.trainer_step = resume_step
         return sorted(s for s in self.consumed if s > resume_step)
+
+    def generated_reward(self) -> tuple[float, int]:
+        """Mean reward and count of everything generated since the last call (then reset)."""
+        mean = self.reward_sum / self.reward_count if self.reward_count else float("nan")
+        out = (mean, self.reward_count)
+        self.reward_sum, self.reward_count = 0.0, 0
+        return out
 
     def state_counts(self) -> dict[str, int]:
         states = np.fromiter((i.state for i in self.samples.values()), dtype=np.int8, count=len(self.samples))

@@ -305,7 +305,7 @@ class DataflowState:
             buf = self.buffers[policy]
             for j, a in zip(members, adv):
                 buf.add(SampleInfo(int(sids[j]), tid, int(vmin[j]), float(a), mean, std, locs[j], (trajs, int(j))),
-                        filtered)
+                        filtered, float(rewards[j]))
         self.tasks.complete(tid)
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
         return m.CommitReply("stored", sids.tolist())
@@ -368,13 +368,15 @@ class DataflowState:
         if replay:
             buf.counts["replayed"] += len(ids)
         infos = [buf.samples[sid] for sid in ids[req.rank::req.world]]
+        generated_mean, generated_count = buf.generated_reward() if req.rank == 0 and not replay else (0.0, 0)
         return m.BatchReply(
             req.step, replay, m.TrajectoryBatch.gather([self._payload(i) for i in infos]),
             sample_ids=np.array([i.sample_id for i in infos], np.int64),
             task_ids=np.array([i.task_id for i in infos], np.int64),
             advantages=np.array([i.advantage for i in infos], np.float32),
             group_mean=np.array([i.group_mean for i in infos], np.float32),
-            group_std=np.array([i.group_std for i in infos], np.float32))
+            group_std=np.array([i.group_std for i in infos], np.float32),
+            generated_reward_mean=generated_mean, generated_count=generated_count)
 
     def _payload(self, info: SampleInfo) -> tuple[m.TrajectoryBatch, int]:
         """Where a sample's trajectory is in memory; read back from its shard if it is not."""

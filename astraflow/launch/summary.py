@@ -33,7 +33,12 @@ def _metrics(run: RunDir, policy: str) -> list[dict]:
 def policy_summary(rows: list[dict], t_start: float) -> dict:
     if not rows:
         return {"steps": 0}
+    # reward of everything generated (filtered groups included), carried forward over steps
+    # that saw no new samples
     rewards = np.array([r["reward_mean"] for r in rows])
+    for i in range(len(rewards)):
+        if np.isnan(rewards[i]):
+            rewards[i] = rewards[i - 1] if i else 0.0
     k = max(1, len(rows) // 10)
     samples = np.cumsum([r["samples"] for r in rows])
     moving = np.convolve(rewards, np.ones(WINDOW) / WINDOW, mode="valid") if len(rows) >= WINDOW else rewards[-1:]
@@ -50,9 +55,11 @@ def policy_summary(rows: list[dict], t_start: float) -> dict:
 
 def write_summary(run: RunDir, status: dict, wall_s: float, components_s: float) -> dict:
     t_start = time.time() - components_s
-    out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "eval", "--run-dir", str(run.path)],
-                         capture_output=True, text=True)
-    evals = json.loads(out.stdout) if out.returncode == 0 else {"eval_error": out.stderr[-2000:]}
+    with open(run.path / "logs" / "eval.log", "a") as log:
+        out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "eval", "--run-dir", str(run.path)],
+                             stdout=log, stderr=subprocess.STDOUT)
+    evals = (json.loads((run.path / "eval.json").read_text()) if out.returncode == 0
+             else {"eval_error": f"evaluation failed; see {run.path / 'logs' / 'eval.log'}"})
     policies = {p: policy_summary(_metrics(run, p), t_start) for p in run.config.policy_names}
     first = next(iter(policies.values()))
     counts = status["policies"]

@@ -292,6 +292,10 @@ class BatchReply:
     advantages: np.ndarray = array_field("float32")
     group_mean: np.ndarray = array_field("float32")
     group_std: np.ndarray = array_field("float32")
+    # Reward of everything generated for this policy since the previous batch, filtered groups
+    # included: the served samples alone overstate it (all-wrong groups are never served).
+    generated_reward_mean: float = 0.0
+    generated_count: int = 0
 
 
 @dataclass(frozen=True)

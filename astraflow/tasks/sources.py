@@ -31,14 +31,14 @@ class Item:
 def arithmetic_items(cfg: TaskSourceConfig) -> list[Item]:
     """Every `a+b=` and `a-b=` (non-negative results) with operands in [0, max_operand].
 
-    `answer: full` asks for the result; `answer: units` for its units digit only. The units
-    task is what a 0.1 M-parameter model can generalise to unseen prompts within minutes:
-    its answer depends on a 10x10 table of operand units digits that the training split
-    covers, whereas the full result needs the carry algorithm (measured: supervised training
-    on 1,727 prompts for 1,500 steps reached 12.5% on held-out full results).
+    `answer` asks for the full result, its units digit, or its parity (0 even, 1 odd). Only
+    the parity is something a 0.1 M-parameter model learns to generalise to unseen prompts
+    within minutes (it depends on the operands' last digits alone); the full result needs
+    the carry algorithm (measured: supervised training on 1,727 prompts for 1,500 steps
+    reached 12.5% on held-out results) and the units digit a 10x10 table.
     """
     m = cfg.max_operand
-    show = (lambda r: str(r % 10)) if cfg.answer == "units" else str
+    show = {"full": str, "units": lambda r: str(r % 10), "parity": lambda r: str(r % 2)}[cfg.answer]
     items = [Item(f"{a}+{b}=", show(a + b)) for a in range(m + 1) for b in range(m + 1)]
     items += [Item(f"{a}-{b}=", show(a - b)) for a in range(m + 1) for b in range(a + 1)]
     return items

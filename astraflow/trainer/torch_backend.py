@@ -36,7 +36,7 @@ from astraflow.weights.fs import publish
 log = logging.getLogger(__name__)
 
 BATCH_TIMEOUT_S = 30.0
-METRIC_FIELDS = ("step", "time", "reward_mean", "loss", "clip_frac", "is_weight", "behaviour_kl", "grad_norm",
+METRIC_FIELDS = ("step", "time", "reward_mean", "reward_trained", "generated", "loss", "clip_frac", "is_weight", "behaviour_kl", "grad_norm",
                  "samples", "tokens", "completion_len", "version_lag", "wait_s", "train_s")
 
 
@@ -137,7 +137,8 @@ class TorchTrainer:
             self.call(m.Consumed(self.policy, step, ids))
         trained = batch.loss_mask.sum().item()
         lag = float((self.step - 1 - batch.versions.float())[batch.loss_mask > 0].mean()) if trained else 0.0
-        return {"step": step, "time": time.time(), "reward_mean": float(batch.rewards.mean()),
+        return {"step": step, "time": time.time(), "reward_mean": reply.generated_reward_mean,
+                "reward_trained": float(batch.rewards.mean()), "generated": reply.generated_count,
                 "loss": stats.loss, "clip_frac": stats.clip_frac, "is_weight": stats.is_weight,
                 "behaviour_kl": stats.behaviour_kl, "grad_norm": grad_norm, "samples": n * self.world,
                 "tokens": int(batch.attention_mask.sum()) * self.world, "completion_len": trained / max(1, n),

@@ -20,9 +20,20 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.integration
 
 STEPS, BATCH = 24, 64
+# A task this tiny model provably learns within seconds (the parity of a number, from a random
+# init): the test is about the system carrying a learning signal through crashes, and the
+# quickstart's arithmetic does not give one in 24 steps (see docs/architecture.md).
 OVERRIDES = [f"trainer.steps={STEPS}", f"trainer.batch_size={BATCH}", "trainer.checkpoint_every=4",
-             "trainer.lr=0.003", "warmup.steps=60", "launcher.backoff_s=0.2", "dataflow.heartbeat_timeout_s=3",
-             "dataflow.lease_s=5", "rollout.workers=2", "rollout.concurrency=8"]
+             "trainer.lr=0.003", "warmup.steps=0", "tasks.warmup=0", "tasks.kind=jsonl", "engine.max_tokens=3",
+             "launcher.backoff_s=0.2", "dataflow.heartbeat_timeout_s=3", "dataflow.lease_s=5",
+             "rollout.workers=2", "rollout.concurrency=8", "engine.kind=hf"]
+
+
+def parity_prompts(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    path.write_text("".join(json.dumps({"prompt": f"{a}?", "answer": str(a % 2)}) + "\n"
+                            for a in rng.choice(1000, 800, replace=False)))
+    return path
 
 
 def component_pids(run_dir: Path, role: str) -> list[int]:
@@ -46,9 +57,10 @@ def metric_rows(run_dir: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_quickstart_learns_and_survives_killed_worker_and_trainer(tmp_path):
+def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
     run_dir = tmp_path / "run"
-    sets = [a for o in OVERRIDES for a in ("--set", o)]
+    overrides = [*OVERRIDES, f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
+    sets = [a for o in overrides for a in ("--set", o)]
     launcher = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
                                  "--run-dir", str(run_dir), "--quiet", *sets], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -69,7 +81,7 @@ def test_quickstart_learns_and_survives_killed_worker_and_trainer(tmp_path):
     assert launcher.returncode == 0, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["trained"] >= STEPS * BATCH
-    assert summary["reward_last"] > summary["reward_first"], summary  # a learning signal
+    assert summary["reward_last"] > summary["reward_first"] + 0.02, summary  # a learning signal
     assert "(restart 1)" in (run_dir / "logs" / "trainer-policy.log").read_text()
     assert "(restart 1)" in "".join((run_dir / "logs" / f"rollout-{i}.log").read_text() for i in range(2))
     steps = [int(r["step"]) for r in metric_rows(run_dir)]

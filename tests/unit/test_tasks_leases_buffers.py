@@ -67,7 +67,7 @@ def test_task_limit_exhausts():
 def _buffer(n: int, versions: list[int] | None = None, staleness: int = 1) -> PolicyBuffer:
     buf = PolicyBuffer("p", max_staleness=staleness, capacity=100)
     for i in range(n):
-        buf.add(SampleInfo(i, i // 2, (versions or [0] * n)[i], 0.0, 0.0, 1.0, (0, i), payload=object()), False)
+        buf.add(SampleInfo(i, i // 2, (versions or [0] * n)[i], 0.0, 0.0, 1.0, (0, i), payload=object()), False, 0.0)
     return buf
 
 

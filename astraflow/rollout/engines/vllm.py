@@ -7,7 +7,7 @@ New weights are loaded in place with `collective_rpc("reload_weights")` between 
 
 CPU defaults (each overridable by the environment): a 1 GiB KV cache, the engine core in this
 process (one fewer process on a small machine), no OpenMP thread pinning (pinning vLLM's
-threads to every core fights the trainer on the same machine; `engine.threads` sets how many).
+threads to every core fights the trainer on the same machine).
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ class VLLMEngine(BatchingEngine):
         if not torch.cuda.is_available():
             for key, value in CPU_DEFAULTS.items():
                 os.environ.setdefault(key, value)
-            if threads:
-                os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-                torch.set_num_threads(threads)
+        # `threads` is not applied: vLLM's CPU attention records its OpenMP thread count when
+        # the engine is built and checks it in every call, and batches run in another thread
+        # (whose OpenMP default is the core count), so any other setting fails that check.
         from vllm import LLM
 
         self.codec = TextCodec(model_dir)
