@@ -9,7 +9,6 @@ import argparse
 import json
 import logging
 import sys
-from typing import Callable
 
 from astraflow.config.loader import ConfigError
 

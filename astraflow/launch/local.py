@@ -10,7 +10,6 @@ component picks up from the run directory (shards, journal, checkpoints).
 """
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 import time
@@ -23,7 +22,6 @@ from astraflow.launch.supervisor import Component, ComponentFailed, Supervisor
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, wait_rendezvous
 
-log = logging.getLogger(__name__)
 POLL_S = 0.5
 
 

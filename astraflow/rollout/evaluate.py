@@ -8,7 +8,6 @@ from astraflow.config.schema import Config
 from astraflow.rollout.engines import ENGINES
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.tasks.sources import TaskSource
-
 from astraflow.workflows.rewards import REWARDS
 
 
