@@ -110,6 +110,14 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_rollout(args: argparse.Namespace) -> int:
+    from astraflow.bench.rollout import run_bench
+
+    result = run_bench(args.engines, args.sizes, args.max_tokens)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="the run directory (created if absent)")
     p.add_argument("--config", help="YAML config (needed only to create a new run directory)")
@@ -176,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--run-dir", help="keep the run here (default: a temporary directory)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench)
+    b = bsub.add_parser("rollout", help="tokens/s of the vllm and hf engines on the same tiny and small models")
+    b.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=("hf", "vllm"))
+    b.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=("tiny", "small"))
+    b.add_argument("--max-tokens", type=int, default=32)
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.set_defaults(fn=_bench_rollout)
     return parser
 
 

@@ -3,8 +3,9 @@
 Per step: pull the step's batch from the dataflow rank (blocking; a replayed step after a
 restart gets the same samples), compute the proximal logprobs once, take `minibatches`
 optimizer steps of decoupled PPO, publish weights version = step (rank 0, filesystem channel),
-announce it, then acknowledge the step's samples (`consumed`). Every `checkpoint_every` steps
-model + optimizer + step are saved atomically; a restarted trainer resumes from the newest
+announce it, then acknowledge the step's samples (`consumed`). Metrics go to
+`metrics/<policy>.csv` and to TensorBoard event files in `metrics/tensorboard/<policy>/`.
+Every `checkpoint_every` steps model + optimizer + step are saved atomically; a restarted trainer resumes from the newest
 checkpoint and tells the dataflow rank (`ready(resume_step)`), which re-serves exactly the
 steps after it. Version v of the weights is the model after step v (v0 = the base model).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tensorboardX import SummaryWriter
 from transformers import AutoModelForCausalLM
 
 from astraflow.config.rundir import RunDir
@@ -87,6 +89,7 @@ class TorchTrainer:
             log.info("dataflow rank will replay steps %s", ready.replay_steps)
         metrics = self.run.path / "metrics" / f"{self.policy}.csv"
         new_file = not metrics.exists()
+        board = SummaryWriter(str(self.run.path / "metrics" / "tensorboard" / self.policy)) if self.rank == 0 else None
         with open(metrics, "a", newline="") as f:
             writer = csv.DictWriter(f, METRIC_FIELDS)
             if new_file and self.rank == 0:
@@ -95,9 +98,14 @@ class TorchTrainer:
                 row = self.train_step(self.step + 1)
                 if row is None:
                     break
-                if self.rank == 0:
+                if board is not None:
                     writer.writerow(row)
                     f.flush()
+                    for key in METRIC_FIELDS[2:]:
+                        board.add_scalar(f"{self.policy}/{key}", row[key], row["step"], walltime=row["time"])
+                    board.flush()
+        if board is not None:
+            board.close()
         if self.stop and self.rank == 0:
             save_checkpoint(self.ckpt_dir, self.model, self.optim, self.step)
         self.client.close()

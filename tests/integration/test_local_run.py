@@ -84,6 +84,7 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
     assert summary["reward_last"] > summary["reward_first"] + 0.02, summary  # a learning signal
     assert "(restart 1)" in (run_dir / "logs" / "trainer-policy.log").read_text()
     assert "(restart 1)" in "".join((run_dir / "logs" / f"rollout-{i}.log").read_text() for i in range(2))
+    assert list((run_dir / "metrics" / "tensorboard" / "policy").glob("events.out.tfevents.*"))
     steps = [int(r["step"]) for r in metric_rows(run_dir)]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))  # resumed from its checkpoint, no gap
 
