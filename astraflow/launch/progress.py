@@ -14,9 +14,11 @@ def last_row(path) -> dict | None:
     try:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
-    except FileNotFoundError:
+    except (FileNotFoundError, csv.Error):
         return None
-    return rows[-1] if rows else None
+    # a line being written can be cut short: use the last complete one
+    complete = [r for r in rows if r.get("train_s") not in (None, "")]
+    return complete[-1] if complete else None
 
 
 class Progress:

@@ -56,7 +56,8 @@ class Supervisor:
         log_file.flush()
         comp.procs = []
         for i, cmd in enumerate(comp.commands):
-            env = {**os.environ, **(comp.env[i] if i < len(comp.env) else {})}
+            # ASTRAFLOW_START numbers the group's starts: a restarted group rendezvouses afresh
+            env = {**os.environ, **(comp.env[i] if i < len(comp.env) else {}), "ASTRAFLOW_START": str(comp.restarts)}
             comp.procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                                start_new_session=True))
         log_file.close()

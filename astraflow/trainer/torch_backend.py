@@ -67,6 +67,7 @@ class TorchTrainer:
             self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
         self.client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=BATCH_TIMEOUT_S)
         self.stop = False
+        self.board: SummaryWriter | None = None
         signal.signal(signal.SIGUSR1, self._checkpoint_and_stop)  # Slurm's warning before preemption
         signal.signal(signal.SIGTERM, self._checkpoint_and_stop)
 
@@ -82,33 +83,40 @@ class TorchTrainer:
                 self.client.reconnect(read_rendezvous(self.run.path)["address"])
 
     def run_loop(self) -> None:
-        ready = self.call(m.Ready(m.PROTOCOL_VERSION, self.policy, self.step,
-                                  hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
-                                  partition=os.environ.get("SLURM_JOB_PARTITION", "local"), world=self.world))
-        if ready.replay_steps:
-            log.info("dataflow rank will replay steps %s", ready.replay_steps)
-        metrics = self.run.path / "metrics" / f"{self.policy}.csv"
-        new_file = not metrics.exists()
-        board = SummaryWriter(str(self.run.path / "metrics" / "tensorboard" / self.policy)) if self.rank == 0 else None
-        with open(metrics, "a", newline="") as f:
-            writer = csv.DictWriter(f, METRIC_FIELDS)
-            if new_file and self.rank == 0:
-                writer.writeheader()
-            while self.step < self.tcfg.steps and not self.stop:
-                row = self.train_step(self.step + 1)
-                if row is None:
-                    break
-                if board is not None:
-                    writer.writerow(row)
-                    f.flush()
-                    for key in METRIC_FIELDS[2:]:
-                        board.add_scalar(f"{self.policy}/{key}", row[key], row["step"], walltime=row["time"])
-                    board.flush()
-        if board is not None:
-            board.close()
+        if self.rank == 0:  # one Ready per group: a second one would hand back what rank 0 was served
+            ready = self.call(m.Ready(m.PROTOCOL_VERSION, self.policy, self.step,
+                                      hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
+                                      partition=os.environ.get("SLURM_JOB_PARTITION", "local"), world=self.world))
+            if ready.replay_steps:
+                log.info("dataflow rank will replay steps %s", ready.replay_steps)
+        if self.world > 1:
+            dist.barrier()
+        while self.step < self.tcfg.steps and not self.stop:
+            row = self.train_step(self.step + 1)
+            if row is None:
+                break
+            if self.rank == 0:
+                self.record(row)
+        if self.board is not None:
+            self.board.close()
         if self.stop and self.rank == 0:
             save_checkpoint(self.ckpt_dir, self.model, self.optim, self.step)
         self.client.close()
+
+    def record(self, row: dict) -> None:
+        """One CSV line and TensorBoard scalars per step (rank 0 only)."""
+        path = self.run.path / "metrics" / f"{self.policy}.csv"
+        new_file = not path.exists()
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, METRIC_FIELDS)
+            if new_file:
+                writer.writeheader()
+            writer.writerow(row)
+        if self.board is None:
+            self.board = SummaryWriter(str(self.run.path / "metrics" / "tensorboard" / self.policy))
+        for key in METRIC_FIELDS[2:]:
+            self.board.add_scalar(f"{self.policy}/{key}", row[key], row["step"], walltime=row["time"])
+        self.board.flush()
 
     def train_step(self, step: int) -> dict | None:
         t0 = time.perf_counter()
@@ -175,7 +183,8 @@ def run_trainer(run_dir: str, policy: str) -> None:
     rank = int(os.environ.get("ASTRAFLOW_RANK", "0"))
     world = int(os.environ.get("ASTRAFLOW_WORLD", str(run.config.trainer.world)))
     if world > 1:
-        store = Path(run.path) / "rendezvous" / f"torch-{policy}"
+        # a fresh file per group start: a FileStore left by a crashed group cannot be reused
+        store = Path(run.path) / "rendezvous" / f"torch-{policy}-{os.environ.get('ASTRAFLOW_START', '0')}"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
     TorchTrainer(run, policy, rank, world).run_loop()

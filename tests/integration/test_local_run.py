@@ -108,3 +108,19 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
             assert (t["logprobs"][own] <= 0).all() and (t["versions"][own] >= 0).all()
             assert t["version_min"] == t["versions"][own].min()
         reader.close()
+
+
+def test_two_trainer_ranks_train_one_batch_per_step_together(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [*OVERRIDES, "trainer.world=2", "trainer.steps=4", "rollout.workers=1",
+                 f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
+    out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
+                          "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    consumed = {ev["step"]: ev["ids"] for ev in replay(run_dir / "journal") if ev["ev"] == "consumed"}
+    assert sorted(consumed) == [1, 2, 3, 4]
+    assert all(len(ids) == len(set(ids)) == BATCH for ids in consumed.values())  # both ranks' halves
+    ready = [ev for ev in replay(run_dir / "journal") if ev["ev"] == "ready"]
+    assert ready and all(ev["world"] == 2 for ev in ready)
+    assert [int(r["samples"]) for r in metric_rows(run_dir)] == [BATCH] * 4
