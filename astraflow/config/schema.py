@@ -66,6 +66,9 @@ class TaskSourceConfig:
     # units digit or its parity
     max_operand: int = 20
     answer: str = choice("full", "full", "units", "parity")
+    ops: str = "+-"  # which of + and - to generate
+    pad_operands: bool = False  # "07+15=" instead of "7+15="
+    reverse_answer: bool = False  # answer digits least significant first
     # Number of held-out prompts never handed out for training (evaluation split).
     heldout: int = 200
     # Number of prompts reserved for the supervised warm-up (disjoint from both other splits).

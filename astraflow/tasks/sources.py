@@ -29,18 +29,28 @@ class Item:
 
 
 def arithmetic_items(cfg: TaskSourceConfig) -> list[Item]:
-    """Every `a+b=` and `a-b=` (non-negative results) with operands in [0, max_operand].
+    """Every `a+b=` and `a-b=` (non-negative results; `ops` selects) with operands in [0, max_operand].
 
-    `answer` asks for the full result, its units digit, or its parity (0 even, 1 odd). Only
-    the parity is something a 0.1 M-parameter model learns to generalise to unseen prompts
-    within minutes (it depends on the operands' last digits alone); the full result needs
-    the carry algorithm (measured: supervised training on 1,727 prompts for 1,500 steps
-    reached 12.5% on held-out results) and the units digit a 10x10 table.
+    `answer` asks for the full result, its units digit, or its parity (0 even, 1 odd).
+    `pad_operands` writes operands zero-padded to one width ("07+15=") and `reverse_answer`
+    asks for the result's digits least significant first ("22" for 07+15, "42" for 09+15),
+    so that each answer digit depends on operand digits at fixed positions plus a carry.
+    None of these made the tiny model generalise to held-out prompts in minutes yet (see
+    docs/architecture.md, "Measured so far").
     """
     m = cfg.max_operand
+    width = len(str(m)) if cfg.pad_operands else 0
     show = {"full": str, "units": lambda r: str(r % 10), "parity": lambda r: str(r % 2)}[cfg.answer]
-    items = [Item(f"{a}+{b}=", show(a + b)) for a in range(m + 1) for b in range(m + 1)]
-    items += [Item(f"{a}-{b}=", show(a - b)) for a in range(m + 1) for b in range(a + 1)]
+
+    def item(a: int, op: str, b: int, r: int) -> Item:
+        text = show(r)
+        return Item(f"{a:0{width}d}{op}{b:0{width}d}=", text[::-1] if cfg.reverse_answer else text)
+
+    items = []
+    if "+" in cfg.ops:
+        items += [item(a, "+", b, a + b) for a in range(m + 1) for b in range(m + 1)]
+    if "-" in cfg.ops:
+        items += [item(a, "-", b, a - b) for a in range(m + 1) for b in range(a + 1)]
     return items
 
 

@@ -87,3 +87,16 @@ def test_consume_checks_what_was_served_and_restart_replays():
     # trainer crashes after step 1 was consumed and step 2 served; it resumes from step 0
     assert buf.trainer_restarted(resume_step=0) == [1]
     assert buf.samples[s2[0]].state == READY and list(buf.ready)[:4] == s2
+
+
+def test_arithmetic_formats():
+    def first(**kw):
+        src = TaskSource(TaskSourceConfig(max_operand=99, heldout=0, **kw))
+        return {i.prompt: i.answer for i in src.train}
+
+    plain = first(ops="+")
+    assert plain["9+15="] == "24" and len(plain) == 100 * 100
+    padded = first(ops="+", pad_operands=True, reverse_answer=True)
+    assert padded["09+15="] == "42" and padded["99+99="] == "891"
+    assert first(ops="-", answer="units")["23-9="] == "4"
+    assert first(answer="parity")["7+8="] == "1"
