@@ -66,7 +66,8 @@ class TaskSourceConfig:
     # units digit or its parity
     max_operand: int = 20
     answer: str = choice("full", "full", "units", "parity")
-    ops: str = "+-"  # which of + and - to generate
+    ops: str = "+-"  # which of + and - to generate (two operands)
+    operands: int = 2  # more than 2: sums of that many operands
     pad_operands: bool = False  # "07+15=" instead of "7+15="
     reverse_answer: bool = False  # answer digits least significant first
     # Number of held-out prompts never handed out for training (evaluation split).

@@ -11,6 +11,7 @@ Registry: `SOURCES` (explicit table, name -> builder).
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,10 @@ def arithmetic_items(cfg: TaskSourceConfig) -> list[Item]:
         text = show(r)
         return Item(f"{a:0{width}d}{op}{b:0{width}d}=", text[::-1] if cfg.reverse_answer else text)
 
+    if cfg.operands > 2:  # sums of several operands: "3+4+2="
+        return [Item("+".join(f"{x:0{width}d}" for x in xs) + "=",
+                     show(sum(xs))[::-1] if cfg.reverse_answer else show(sum(xs)))
+                for xs in itertools.product(range(m + 1), repeat=cfg.operands)]
     items = []
     if "+" in cfg.ops:
         items += [item(a, "+", b, a + b) for a in range(m + 1) for b in range(m + 1)]
