@@ -110,6 +110,13 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from astraflow.analysis.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
 def _bench_rollout(args: argparse.Namespace) -> int:
     from astraflow.bench.rollout import run_bench
 
@@ -172,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_inspect)
+
+    p = sub.add_parser("plot", help="plot a run's training curve (PNG) from its metrics")
+    p.add_argument("run_dir")
+    p.add_argument("-o", "--out", default="curve.png")
+    p.set_defaults(fn=_plot)
 
     p = sub.add_parser("bench", help="benchmarks (print JSON)")
     bsub = p.add_subparsers(dest="bench", required=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from astraflow.analysis.plot import plot_run
 from astraflow.store.journal import replay
 from astraflow.store.reader import ShardReader, iter_shards, load_rows
 from tests.conftest import REPO
@@ -85,6 +86,8 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
     assert "(restart 1)" in (run_dir / "logs" / "trainer-policy.log").read_text()
     assert "(restart 1)" in "".join((run_dir / "logs" / f"rollout-{i}.log").read_text() for i in range(2))
     assert list((run_dir / "metrics" / "tensorboard" / "policy").glob("events.out.tfevents.*"))
+    png = plot_run(run_dir, tmp_path / "curve.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     steps = [int(r["step"]) for r in metric_rows(run_dir)]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))  # resumed from its checkpoint, no gap
 

@@ -1,0 +1,49 @@
+"""`astraflow plot RUN_DIR -o curve.png`: the training curve of a run, from its own metrics.
+
+Per policy: the reward of everything generated (what the policy achieves) and of the trained
+batches, against wall-clock seconds since the first step, with the held-out accuracy of the
+starting and final weights (from `eval.json`) as horizontal markers.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import yaml
+
+
+def plot_run(run_dir: str | Path, out: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for path in sorted((run_dir / "metrics").glob("*.csv")):
+        with open(path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("train_s")]
+        if not rows:
+            continue
+        t0 = float(rows[0]["time"])
+        t = [float(r["time"]) - t0 for r in rows]
+        ax.plot(t, [float(r["reward_mean"]) for r in rows], label=f"{path.stem}: reward (generated)")
+        ax.plot(t, [float(r["reward_trained"]) for r in rows], alpha=0.4, label=f"{path.stem}: reward (trained batch)")
+    evals = run_dir / "eval.json"
+    if evals.exists():
+        e = json.loads(evals.read_text())
+        ax.axhline(e["eval_accuracy_base"], ls=":", c="gray", label=f"held-out, start: {e['eval_accuracy_base']:.2f}")
+        if "eval_accuracy" in e:
+            ax.axhline(e["eval_accuracy"], ls="--", c="black", label=f"held-out, end: {e['eval_accuracy']:.2f}")
+    ax.set_xlabel("seconds since the first training step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    name = yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["name"]
+    ax.set_title(f"{name}: {run_dir.name}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return Path(out)
