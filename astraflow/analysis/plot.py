@@ -6,11 +6,12 @@ starting and final weights (from `eval.json`) as horizontal markers.
 """
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
 import yaml
+
+from astraflow.analysis.metrics import read_metrics
 
 
 def plot_run(run_dir: str | Path, out: str | Path) -> Path:
@@ -22,14 +23,12 @@ def plot_run(run_dir: str | Path, out: str | Path) -> Path:
     run_dir = Path(run_dir)
     fig, ax = plt.subplots(figsize=(7, 4))
     for path in sorted((run_dir / "metrics").glob("*.csv")):
-        with open(path, newline="") as f:
-            rows = [r for r in csv.DictReader(f) if r.get("train_s")]
+        rows = read_metrics(run_dir, path.stem)
         if not rows:
             continue
-        t0 = float(rows[0]["time"])
-        t = [float(r["time"]) - t0 for r in rows]
-        ax.plot(t, [float(r["reward_mean"]) for r in rows], label=f"{path.stem}: reward (generated)")
-        ax.plot(t, [float(r["reward_trained"]) for r in rows], alpha=0.4, label=f"{path.stem}: reward (trained batch)")
+        t = [r["time"] - rows[0]["time"] for r in rows]
+        ax.plot(t, [r["reward_mean"] for r in rows], label=f"{path.stem}: reward (generated)")
+        ax.plot(t, [r["reward_trained"] for r in rows], alpha=0.4, label=f"{path.stem}: reward (trained batch)")
     evals = run_dir / "eval.json"
     if evals.exists():
         e = json.loads(evals.read_text())

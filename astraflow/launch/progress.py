@@ -3,22 +3,11 @@
 Reads the trainers' metrics CSVs (the launcher never talks to trainers directly)."""
 from __future__ import annotations
 
-import csv
 import sys
 import time
 
+from astraflow.analysis.metrics import read_metrics
 from astraflow.config.rundir import RunDir
-
-
-def last_row(path) -> dict | None:
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except (FileNotFoundError, csv.Error):
-        return None
-    # a line being written can be cut short: use the last complete one
-    complete = [r for r in rows if r.get("train_s") not in (None, "")]
-    return complete[-1] if complete else None
 
 
 class Progress:
@@ -34,14 +23,15 @@ class Progress:
         self.last_print = now
         parts = []
         for p in self.run.config.policy_names:
-            row = last_row(self.run.path / "metrics" / f"{p}.csv")
-            if row is None:
+            rows = read_metrics(self.run.path, p)
+            if not rows:
                 parts.append(f"{p}: waiting for the first batch")
                 continue
+            row = rows[-1]
             step, total = int(row["step"]), self.run.config.trainer.steps
-            tok_s = float(row["tokens"]) / max(1e-9, float(row["wait_s"]) + float(row["train_s"]))
-            parts.append(f"{p}: step {step}/{total} reward {float(row['reward_mean']):.2f} "
-                         f"{tok_s / 1e3:.1f}k tok/s lag {float(row['version_lag']):.1f}")
+            tok_s = row["tokens"] / max(1e-9, row["wait_s"] + row["train_s"])
+            parts.append(f"{p}: step {step}/{total} reward {row['reward_mean']:.2f} "
+                         f"{tok_s / 1e3:.1f}k tok/s lag {row['version_lag']:.1f}")
         line = f"[{now - self.t0:5.0f}s] " + " | ".join(parts)
         if self.quiet:
             print(line, file=sys.stderr, flush=True)

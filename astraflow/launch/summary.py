@@ -8,7 +8,6 @@ held-out prompts (eval_accuracy_base: the same for the starting weights).
 """
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -16,18 +15,11 @@ import time
 
 import numpy as np
 
+from astraflow.analysis.metrics import read_metrics
 from astraflow.config.rundir import RunDir
 
 TARGET = 0.8
 WINDOW = 5
-
-
-def _metrics(run: RunDir, policy: str) -> list[dict]:
-    path = run.path / "metrics" / f"{policy}.csv"
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def policy_summary(rows: list[dict], t_start: float) -> dict:
@@ -60,7 +52,7 @@ def write_summary(run: RunDir, status: dict, wall_s: float, components_s: float)
                              stdout=log, stderr=subprocess.STDOUT)
     evals = (json.loads((run.path / "eval.json").read_text()) if out.returncode == 0
              else {"eval_error": f"evaluation failed; see {run.path / 'logs' / 'eval.log'}"})
-    policies = {p: policy_summary(_metrics(run, p), t_start) for p in run.config.policy_names}
+    policies = {p: policy_summary(read_metrics(run.path, p), t_start) for p in run.config.policy_names}
     first = next(iter(policies.values()))
     counts = status["policies"]
     trained = sum(v.get("trained", 0) for v in policies.values())
