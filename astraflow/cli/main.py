@@ -77,10 +77,10 @@ def _rollout(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from astraflow.launch.supervisor import EXIT_STOPPED
     from astraflow.trainer.torch_backend import run_trainer
 
-    run_trainer(args.run_dir, args.policy)
-    return 0
+    return 0 if run_trainer(args.run_dir, args.policy) else EXIT_STOPPED
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -125,6 +125,20 @@ def _bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node(args: argparse.Namespace) -> int:
+    from astraflow.slurm.node import run_node
+
+    return run_node(args.config, args.run_dir, args.set)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from astraflow.slurm.status import format_status, run_status
+
+    report = run_status(args.run_dir)
+    print(json.dumps(report, indent=2) if args.json else format_status(report))
+    return 0
+
+
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="the run directory (created if absent)")
     p.add_argument("--config", help="YAML config (needed only to create a new run directory)")
@@ -159,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--policy", required=True)
     p.set_defaults(fn=_train)
+
+    p = sub.add_parser("node", help="one task of the heterogeneous Slurm step (started by srun in the job script)")
+    _add_run_args(p)
+    p.set_defaults(fn=_node)
+
+    p = sub.add_parser("status", help="a run's Slurm jobs, workers and throughput per partition")
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_status)
 
     p = sub.add_parser("make-model", help="write a tiny real HF model with a locally trained tokenizer")
     p.add_argument("out_dir")
@@ -203,8 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_rollout)
     return parser
-
-
 
 
 def main(argv: list[str] | None = None) -> int:

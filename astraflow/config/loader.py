@@ -12,11 +12,13 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeVar
 
 import yaml
 
 from astraflow.config.schema import Config
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -24,15 +26,24 @@ class ConfigError(ValueError):
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
+    return load_typed(Config, path, overrides)
+
+
+def parse_config(text: str, source: str = "<config>", overrides: Iterable[str] = ()) -> Config:
+    return parse_typed(Config, text, source, overrides)
+
+
+def load_typed(tp: type[T], path: str | Path, overrides: Iterable[str] = ()) -> T:
+    """A YAML file as the dataclass `tp` (a run config, a site profile), strictly."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
-        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
-    return parse_config(text, source=str(path), overrides=overrides)
+        raise ConfigError(f"{path}: cannot read {_kind(tp)}: {e.strerror}") from None
+    return parse_typed(tp, text, source=str(path), overrides=overrides)
 
 
-def parse_config(text: str, source: str = "<config>", overrides: Iterable[str] = ()) -> Config:
+def parse_typed(tp: type[T], text: str, source: str, overrides: Iterable[str] = ()) -> T:
     try:
         node = yaml.compose(text)
     except yaml.YAMLError as e:
@@ -46,9 +57,14 @@ def parse_config(text: str, source: str = "<config>", overrides: Iterable[str] =
     for item in overrides:
         _apply_override(data, item, lines)
     where = _Where(source, lines)
-    cfg = _build(Config, data, "", where)
-    _check_semantics(cfg, where)
-    return cfg
+    obj = _build(tp, data, "", where)
+    if isinstance(obj, Config):
+        _check_semantics(obj, where)
+    return obj
+
+
+def _kind(tp: type) -> str:
+    return "config" if tp is Config else tp.__name__
 
 
 def dump_config(cfg: Config) -> str:

@@ -78,7 +78,10 @@ class DataflowState:
             m.Renew: self._renew, m.Commit: self._commit, m.Release: self._release,
             m.Weights: self._weights, m.Ready: self._ready, m.Batch: self._batch,
             m.Consumed: self._consumed, m.Published: self._published, m.Status: self._status,
+            m.Drain: self._drain,
         }
+        self.draining: set[str] = set()  # worker base ids being retired (not journalled: a
+        # restarted rank forgets them and the launcher, which cancels their jobs anyway, re-sends)
 
     # ================================================================ recovery
     def recover(self) -> None:
@@ -227,6 +230,8 @@ class DataflowState:
         worker = self._worker(req.worker_id, now)
         worker.versions = dict(req.versions)
         needed = self.policy_names
+        if worker.base in self.draining:
+            return m.LeaseReply([], 0.0, "retire")
         if not set(needed) <= set(worker.policies):
             return m.LeaseReply([], 5.0, "no_matching_policies")
         for p in needed:
@@ -402,6 +407,11 @@ class DataflowState:
         self.buffers[req.policy].trainer_version = req.version
         self.journal.append("published", policy=req.policy, version=req.version, uri=req.uri,
                             pinned=req.pinned, time=time.time())
+        return m.Ok()
+
+    def _drain(self, req: m.Drain, now: float) -> m.Ok:
+        self.draining.update(req.worker_bases)
+        self.journal.append("drain", bases=list(req.worker_bases), time=time.time())
         return m.Ok()
 
     def _status(self, req: m.Status, now: float) -> m.StatusReply:

@@ -10,23 +10,18 @@ component picks up from the run directory (shards, journal, checkpoints).
 """
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 import time
 from pathlib import Path
 
 from astraflow.config.rundir import RunDir
+from astraflow.launch import components
 from astraflow.launch.progress import Progress
 from astraflow.launch.summary import write_summary
-from astraflow.launch.supervisor import Component, ComponentFailed, Supervisor
-from astraflow.protocol import messages as m
-from astraflow.protocol.client import Client, wait_rendezvous
+from astraflow.launch.supervisor import ComponentFailed, Supervisor
+from astraflow.protocol.client import wait_rendezvous
 
 POLL_S = 0.5
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "astraflow.cli.main", *args]
 
 
 def run_local(config: str | None, run_dir: str | None, overrides: list[str], quiet: bool = False) -> dict:
@@ -37,26 +32,20 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     run = RunDir.create_or_open(run_dir, config, overrides)
     cfg = run.config
     started = time.time()
-    logs = run.path / "logs"
-    prep = subprocess.run(_cli("prepare", "--run-dir", str(run.path)), stdout=open(logs / "prepare.log", "a"),
-                          stderr=subprocess.STDOUT)
-    if prep.returncode != 0:
-        raise SystemExit(f"astraflow run: model preparation failed; see {logs / 'prepare.log'}")
+    try:
+        components.prepare(run)
+    except SystemExit as e:
+        raise SystemExit(f"astraflow run: {e}") from None
+    os.environ["ASTRAFLOW_SESSION"] = f"local-{os.getpid()}-{int(started)}"
     sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
     t_components = time.time()
     try:
-        sup.add(Component("dataflow", [_cli("dataflow", "--run-dir", str(run.path), "--local")], logs))
+        sup.add(components.dataflow(run, local=True))
         wait_rendezvous(run.path, timeout_s=60, newer_than=t_components)
-        trainers = []
-        for p in cfg.policy_names:
-            world = cfg.trainer.world
-            envs = [{"ASTRAFLOW_RANK": str(r), "ASTRAFLOW_WORLD": str(world)} for r in range(world)]
-            sup.add(Component(f"trainer-{p}", [_cli("train", "--run-dir", str(run.path), "--policy", p)] * world,
-                              logs, env=envs))
-            trainers.append(f"trainer-{p}")
+        trainers = [sup.add(components.trainer(run, p, list(range(cfg.trainer.world)), cfg.trainer.world, {})).name
+                    for p in cfg.policy_names]
         for i in range(cfg.rollout.workers):
-            sup.add(Component(f"rollout-{i}", [_cli("rollout", "--run-dir", str(run.path), "--worker-id", f"local-{i}")],
-                              logs))
+            sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}"))
         progress = Progress(run, quiet)
         remaining = set(trainers)
         while remaining:
@@ -64,7 +53,7 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
             progress.update()
             time.sleep(POLL_S)
         progress.close()
-        status = _status(run)
+        status = components.dataflow_status(run)
     except ComponentFailed as e:
         sup.stop()
         raise SystemExit(f"astraflow run: {e}") from None
@@ -74,12 +63,3 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     sup.stop()
     wall = time.time() - started
     return write_summary(run, status, wall_s=wall, components_s=time.time() - t_components)
-
-
-def _status(run: RunDir) -> dict:
-    client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=10)
-    try:
-        return client.call(m.Status()).status
-    finally:
-        client.close()
-

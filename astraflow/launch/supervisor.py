@@ -5,6 +5,11 @@ exits, restarts it with exponential backoff (a group — the ranks of one traine
 restarted as a whole, because a torch.distributed group that lost a rank cannot continue),
 and gives up after `max_restarts`, naming the component and its log. `stop()` sends SIGTERM,
 waits, then SIGKILLs what is left.
+
+A group whose ranks live under different supervisors (a trainer spread over the nodes of a
+Slurm job) shares a `GroupGeneration` in the run directory instead: the first supervisor to
+see a rank fail advances it, every supervisor restarts its rank when it moves, and the ranks
+rendezvous afresh under the new generation (`ASTRAFLOW_START`).
 """
 from __future__ import annotations
 
@@ -19,8 +24,32 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+# Exit status of a component that stopped on a signal (SIGTERM, Slurm's SIGUSR1 warning)
+# after saving its state: not finished, not failed (EX_TEMPFAIL).
+EXIT_STOPPED = 75
+
+
 class ComponentFailed(RuntimeError):
     pass
+
+
+class GroupGeneration:
+    """A restart counter shared through a directory: files `<name>.gen<N>`, created exclusively."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        self.directory, self.name = directory, name
+
+    def current(self) -> int:
+        gens = [int(p.name.rsplit(".gen", 1)[1]) for p in self.directory.glob(f"{self.name}.gen*")]
+        return max(gens, default=0)
+
+    def advance(self, seen: int) -> int:
+        """Move past generation `seen` (once, whoever asks first); returns the current one."""
+        try:
+            os.close(os.open(self.directory / f"{self.name}.gen{seen + 1}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass
+        return self.current()
 
 
 @dataclass
@@ -29,7 +58,9 @@ class Component:
     commands: list[list[str]]  # one per process of the group (e.g. trainer ranks)
     log_dir: Path
     env: list[dict[str, str]] = field(default_factory=list)
+    generation: GroupGeneration | None = None  # shared with ranks under other supervisors
     restarts: int = 0
+    started_gen: int = 0
     procs: list[subprocess.Popen] = field(default_factory=list)
     next_start: float = 0.0
     done: bool = False  # exited 0 on its own: finished its work
@@ -55,9 +86,10 @@ class Supervisor:
         log_file.write(f"--- start {comp.name} (restart {comp.restarts}) at {time.ctime()}\n")
         log_file.flush()
         comp.procs = []
+        comp.started_gen = comp.generation.current() if comp.generation else comp.restarts
         for i, cmd in enumerate(comp.commands):
             # ASTRAFLOW_START numbers the group's starts: a restarted group rendezvouses afresh
-            env = {**os.environ, **(comp.env[i] if i < len(comp.env) else {}), "ASTRAFLOW_START": str(comp.restarts)}
+            env = {**os.environ, **(comp.env[i] if i < len(comp.env) else {}), "ASTRAFLOW_START": str(comp.started_gen)}
             comp.procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                                start_new_session=True))
         log_file.close()
@@ -78,7 +110,10 @@ class Supervisor:
                 comp.done = True
                 finished.append(comp.name)
                 continue
-            if any(c not in (None, 0) for c in codes):
+            moved = comp.generation is not None and comp.generation.current() > comp.started_gen
+            if moved or any(c not in (None, 0) for c in codes):
+                if comp.generation is not None:
+                    comp.generation.advance(comp.started_gen)
                 self._terminate(comp.procs)
                 comp.procs = []
                 comp.restarts += 1

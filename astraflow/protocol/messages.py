@@ -227,6 +227,13 @@ class Status:
     pass
 
 
+@dataclass(frozen=True)
+class Drain:
+    """Retire these workers (base ids): they get no new tasks, finish or hand back what they
+    hold and exit. Sent by the launcher before it cancels their Slurm jobs."""
+    worker_bases: list[str]
+
+
 # ------------------------------------------------------------------ replies
 
 
@@ -253,7 +260,8 @@ class LeaseReply:
     tasks: list[Task]
     retry_after_s: float = 0.0
     # why fewer tasks than asked: "backpressure", "stale_weights", "no_matching_policies",
-    # "drained" (all handed out, leased ones may return) or "exhausted" (no task will come)
+    # "drained" (all handed out, leased ones may return), "exhausted" (no task will come) or
+    # "retire" (this worker is being drained: finish or hand back what it holds, then exit)
     reason: str = ""
 
 
@@ -306,7 +314,7 @@ class StatusReply:
 REQUESTS: dict[str, type] = {
     cls.__name__.lower(): cls
     for cls in (Register, Heartbeat, Lease, Renew, Commit, Release, Weights,
-                Ready, Batch, Consumed, Published, Status)
+                Ready, Batch, Consumed, Published, Status, Drain)
 }
 REPLIES: dict[str, type] = {
     cls.__name__.lower(): cls

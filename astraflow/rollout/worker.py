@@ -31,11 +31,14 @@ from astraflow.protocol.client import read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
 from astraflow.rollout.engines import ENGINES
 from astraflow.rollout.engines.base import SamplingParams
+from astraflow.slurm.env import partition, rollout_worker_id
 from astraflow.weights.fs import path_of
 from astraflow.workflows import WORKFLOWS, EpisodeContext
 from astraflow.workflows.rewards import REWARDS
 
 log = logging.getLogger(__name__)
+
+RETIRE_GRACE_S = 10.0  # a drained worker's in-flight episodes get this long, then are handed back
 
 
 class RolloutWorker:
@@ -68,7 +71,7 @@ class RolloutWorker:
         reply = await self.client.call(m.Register(
             m.PROTOCOL_VERSION, self.base_id, self.policies, capacity=self.cfg.rollout.concurrency,
             hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
-            partition=os.environ.get("SLURM_JOB_PARTITION", "local"), host=socket.gethostname(), pid=os.getpid()))
+            partition=partition(), host=socket.gethostname(), pid=os.getpid()))
         self.worker_id = reply.worker_id
         self.heartbeat_s = reply.heartbeat_s
         log.info("registered as %s", self.worker_id)
@@ -142,11 +145,20 @@ class RolloutWorker:
                 if reply.reason == "exhausted" and not self.inflight:
                     log.info("no tasks left: done after %d commits", self.committed)
                     return
+                if reply.reason == "retire":
+                    await self.retire()
+                    return
                 if reply.tasks:
                     continue
                 await asyncio.sleep(max(0.02, reply.retry_after_s))
             if self.inflight:
                 await asyncio.wait(list(self.inflight.values()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+
+    async def retire(self) -> None:
+        """Drained by the launcher: finish the episodes in flight (for a while), then leave."""
+        log.info("retiring: finishing %d episodes in flight", len(self.inflight))
+        if self.inflight:
+            await asyncio.wait(list(self.inflight.values()), timeout=RETIRE_GRACE_S)
 
     async def hand_back(self) -> None:
         pending = [t for t, task in self.inflight.items() if not task.done()]
@@ -166,14 +178,6 @@ class RolloutWorker:
 
 def run_worker(run_dir: str, policies: list[str], worker_id: str | None) -> None:
     run = RunDir.open(run_dir)
-    base = worker_id or default_worker_id()
+    base = worker_id or rollout_worker_id()
     asyncio.run(RolloutWorker(run, policies or list(run.config.policy_names), base).run())
 
-
-def default_worker_id() -> str:
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"slurm-{array}_{task}"
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm-{os.environ['SLURM_JOB_ID']}_{os.environ.get('SLURM_PROCID', '0')}"
-    return f"{socket.gethostname()}-{os.getpid()}"

@@ -30,6 +30,7 @@ from astraflow.models.tokenizer import TextCodec
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
+from astraflow.slurm.env import partition
 from astraflow.trainer.batch import to_tensors, token_logprobs
 from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, save_checkpoint
 from astraflow.trainer.loss import decoupled_ppo_loss
@@ -86,7 +87,7 @@ class TorchTrainer:
         if self.rank == 0:  # one Ready per group: a second one would hand back what rank 0 was served
             ready = self.call(m.Ready(m.PROTOCOL_VERSION, self.policy, self.step,
                                       hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
-                                      partition=os.environ.get("SLURM_JOB_PARTITION", "local"), world=self.world))
+                                      partition=partition(), world=self.world))
             if ready.replay_steps:
                 log.info("dataflow rank will replay steps %s", ready.replay_steps)
         if self.world > 1:
@@ -178,17 +179,22 @@ class TorchTrainer:
         return checkpoint_steps(self.ckpt_dir)
 
 
-def run_trainer(run_dir: str, policy: str) -> None:
+def run_trainer(run_dir: str, policy: str) -> bool:
+    """Train this rank; True when the run's steps are done, False when stopped by a signal."""
     run = RunDir.open(run_dir)
     rank = int(os.environ.get("ASTRAFLOW_RANK", "0"))
     world = int(os.environ.get("ASTRAFLOW_WORLD", str(run.config.trainer.world)))
     if world > 1:
-        # a fresh file per group start: a FileStore left by a crashed group cannot be reused
-        store = Path(run.path) / "rendezvous" / f"torch-{policy}-{os.environ.get('ASTRAFLOW_START', '0')}"
+        # a fresh file per launch (session) and group start: a FileStore left by a crashed group
+        # or an earlier launch cannot be reused
+        session = os.environ.get("ASTRAFLOW_SESSION", "manual")
+        store = Path(run.path) / "rendezvous" / f"torch-{policy}-{session}-{os.environ.get('ASTRAFLOW_START', '0')}"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
-    TorchTrainer(run, policy, rank, world).run_loop()
+    trainer = TorchTrainer(run, policy, rank, world)
+    trainer.run_loop()
     if world > 1:
         dist.destroy_process_group()
+    return trainer.step >= run.config.trainer.steps or not trainer.stop
 
 

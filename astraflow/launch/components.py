@@ -1,0 +1,68 @@
+"""The run's components as supervised commands, shared by the local launcher and Slurm nodes.
+
+Every component is a `python -m astraflow.cli.main ...` child process, so a launcher never
+imports torch. `ASTRAFLOW_SESSION` names one launch of a run (a local `astraflow run`, one
+Slurm job or requeue): trainer groups rendezvous under it, so files left in
+`rendezvous/` by an earlier launch are never reused.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from astraflow.config.rundir import RunDir
+from astraflow.launch.supervisor import Component, GroupGeneration
+from astraflow.protocol import messages as m
+from astraflow.protocol.client import Client, wait_rendezvous
+
+FINISHED_FILE = "finished"  # in rendezvous/: written once every trainer has done its steps
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "astraflow.cli.main", *args]
+
+
+def prepare(run: RunDir) -> None:
+    """Build (and warm up) the run's model once; raises SystemExit naming the log on failure."""
+    log = run.path / "logs" / "prepare.log"
+    with open(log, "a") as out:
+        done = subprocess.run(cli("prepare", "--run-dir", str(run.path)), stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"model preparation failed; see {log}")
+
+
+def dataflow(run: RunDir, local: bool, env: dict[str, str] | None = None) -> Component:
+    cmd = cli("dataflow", "--run-dir", str(run.path), *(["--local"] if local else []))
+    return Component("dataflow", [cmd], run.path / "logs", env=[env or {}])
+
+
+def trainer(run: RunDir, policy: str, ranks: list[int], world: int, env: dict[str, str],
+            generation: GroupGeneration | None = None) -> Component:
+    """The ranks of `policy`'s trainer group that this supervisor runs (all of them locally)."""
+    cmd = cli("train", "--run-dir", str(run.path), "--policy", policy)
+    name = f"trainer-{policy}" + (f"-r{ranks[0]}" if len(ranks) < world else "")
+    envs = [{**env, "ASTRAFLOW_RANK": str(r), "ASTRAFLOW_WORLD": str(world)} for r in ranks]
+    return Component(name, [cmd] * len(ranks), run.path / "logs", env=envs, generation=generation)
+
+
+def rollout(run: RunDir, name: str, worker_id: str, env: dict[str, str] | None = None) -> Component:
+    cmd = cli("rollout", "--run-dir", str(run.path), "--worker-id", worker_id)
+    return Component(name, [cmd], run.path / "logs", env=[env or {}])
+
+
+def dataflow_status(run: RunDir, timeout_s: float = 10.0) -> dict:
+    client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=timeout_s)
+    try:
+        return client.call(m.Status()).status
+    finally:
+        client.close()
+
+
+def trainers_done(run: RunDir, status: dict) -> bool:
+    steps = run.config.trainer.steps
+    return all(status["policies"][p]["trainer_step"] >= steps for p in run.config.policy_names)
+
+
+def finished_marker(run_path: Path) -> Path:
+    return run_path / "rendezvous" / FINISHED_FILE

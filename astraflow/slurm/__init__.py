@@ -1,0 +1,1 @@
+"""Slurm: the heterogeneous job's per-task entry point, sbatch rendering, submission, elastic arrays."""

@@ -1,0 +1,74 @@
+"""MPI at start-up only: who is who in the heterogeneous step, and where to find each other.
+
+One `MPI_COMM_WORLD` spans the het groups (mpi4py + the PyPI MPICH wheels, `srun
+--mpi=pmi2`). Rank 0 (het group 0, the dataflow rank's task) prepares the run and starts
+the dataflow rank, then broadcasts the run's facts (run directory, dataflow address, launch
+session); everyone gathers everyone's role, partition and node. Then MPI is finalized while
+every rank is still alive: afterwards no rank depends on another through MPI, so one dying
+(SIGKILL, a node failure) cannot tear the others down — the components talk over the signed
+ZeroMQ protocol and the run directory.
+
+Objects travel as JSON bytes (never pickle), and waiting ranks poll non-blocking requests
+with sleeps so that they do not spin a core while rank 0 warms up the model.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+GATHER_BYTES = 1024  # per rank, for the all-gather of (role, partition, node)
+POLL_S = 0.05
+
+
+def _wait(request: Any) -> None:
+    while not request.Test():
+        time.sleep(POLL_S)
+
+
+def bcast_json(comm: Any, obj: Any, root: int = 0) -> Any:
+    data = json.dumps(obj).encode() if comm.Get_rank() == root else b""
+    size = np.array([len(data)], dtype=np.int64)
+    _wait(comm.Ibcast(size, root=root))
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if comm.Get_rank() == root else np.empty(size[0], np.uint8)
+    _wait(comm.Ibcast(buf, root=root))
+    return json.loads(buf.tobytes())
+
+
+def allgather_json(comm: Any, obj: Any) -> list[Any]:
+    data = json.dumps(obj).encode()
+    if len(data) > GATHER_BYTES:
+        raise ValueError(f"bootstrap record too large ({len(data)} > {GATHER_BYTES} bytes)")
+    send = np.zeros(GATHER_BYTES, np.uint8)
+    send[:len(data)] = np.frombuffer(data, np.uint8)
+    recv = np.empty(GATHER_BYTES * comm.Get_size(), np.uint8)
+    _wait(comm.Iallgather(send, recv))
+    return [json.loads(recv[i * GATHER_BYTES:(i + 1) * GATHER_BYTES].tobytes().rstrip(b"\0"))
+            for i in range(comm.Get_size())]
+
+
+def bootstrap(me: dict, lead: Callable[[list[dict]], dict]) -> tuple[list[dict], dict]:
+    """All ranks: gather `me` from everyone; rank 0 runs `lead(peers)` and broadcasts its result.
+
+    If `lead` raises, the error is broadcast as `{"error": ...}` so that no rank waits forever.
+    """
+    import mpi4py
+
+    mpi4py.rc.finalize = False  # finalized explicitly below, while every rank is alive
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    try:
+        peers = allgather_json(comm, me)
+        info: dict = {}
+        if comm.Get_rank() == 0:
+            try:
+                info = lead(peers)
+            except (Exception, SystemExit) as e:  # noqa: BLE001 — any failure must reach the peers
+                info = {"error": f"{type(e).__name__}: {e}"}
+        info = bcast_json(comm, info, root=0)
+    finally:
+        MPI.Finalize()
+    return peers, info

@@ -1,0 +1,140 @@
+"""`astraflow node`: what each task of the heterogeneous Slurm step runs.
+
+`srun --het-group=0,1,2 --mpi=pmi2 --kill-on-bad-exit=0 astraflow node ...` starts one of
+these per task. After the MPI bootstrap (see bootstrap.py) each becomes the supervisor of
+its role's component, restarting it with backoff like the local launcher does:
+- het group 0: the dataflow rank (its task also prepares the model, watches for the end of
+  the run, evaluates and writes `summary.json`, and runs the elastic controller);
+- het group 1: one trainer rank per task, `trainer.world` consecutive tasks per policy; the
+  ranks of a group restart together through a `GroupGeneration` in `rendezvous/`;
+- het group 2: one rollout worker per task, id `<job>.<procid>`.
+The run is over when every trainer has done its steps: the dataflow task writes
+`rendezvous/finished` and every task stops. SIGUSR1 (Slurm's warning before preemption or
+the time limit) and SIGTERM are forwarded to the components — trainers checkpoint, workers
+hand back their leases — and the task exits; a requeued job resumes from the run directory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+from astraflow.config.rundir import RunDir
+from astraflow.launch import components
+from astraflow.launch.summary import write_summary
+from astraflow.launch.supervisor import EXIT_STOPPED, ComponentFailed, GroupGeneration, Supervisor
+from astraflow.protocol.client import wait_rendezvous
+from astraflow.slurm.bootstrap import bootstrap
+from astraflow.slurm.env import SlurmTask, current_task
+from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
+
+log = logging.getLogger(__name__)
+
+STATUS_EVERY_S = 2.0
+
+
+class Node:
+    def __init__(self, task: SlurmTask, config: str | None, run_dir: str, overrides: list[str]) -> None:
+        self.task, self.config, self.run_dir, self.overrides = task, config, run_dir, overrides
+        self.sup: Supervisor | None = None
+        self.started = time.time()
+
+    # ------------------------------------------------------------ bootstrap
+    def run(self) -> int:
+        me = {"procid": self.task.procid, "group": self.task.het_group, "role": self.task.role,
+              "partition": self.task.partition, "node": self.task.node}
+        peers, info = bootstrap(me, self.lead)
+        if "error" in info:
+            log.error("start-up failed on the dataflow task: %s", info["error"])
+            return 1
+        if info["finished"]:
+            log.info("run %s is already finished", info["run_dir"])
+            return 0
+        os.environ["ASTRAFLOW_SESSION"] = info["session"]
+        os.environ["ASTRAFLOW_PARTITION"] = self.task.partition
+        run = RunDir.open(info["run_dir"])
+        role = {"dataflow": self.dataflow_task, "trainer": self.trainer_task, "rollout": self.rollout_task}
+        try:
+            return role[self.task.role](run)
+        except ComponentFailed as e:
+            log.error("%s", e)
+            return 1
+        finally:
+            if self.sup is not None:
+                self.sup.stop(timeout_s=STOP_TIMEOUT_S)
+
+    def lead(self, peers: list[dict]) -> dict:
+        """Rank 0 only: open the run, check the step's shape, prepare, start the dataflow rank."""
+        if self.task.role != "dataflow":
+            raise RuntimeError(f"rank 0 must be the dataflow task (het group 0), not {self.task.role}")
+        run = RunDir.create_or_open(self.run_dir, self.config, self.overrides)
+        cfg = run.config
+        trainers = sum(p["role"] == "trainer" for p in peers)
+        if trainers != cfg.trainer.world * len(cfg.policy_names):
+            raise RuntimeError(f"het group 1 has {trainers} tasks; the config needs trainer.world × policies "
+                               f"= {cfg.trainer.world} × {len(cfg.policy_names)}")
+        session = f"slurm-{self.task.job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+        record = {"job_id": self.task.job_id, "session": session, "time": time.time(), "tasks": peers}
+        (run.path / "rendezvous" / f"job-{self.task.job_id}.json").write_text(json.dumps(record, indent=1))
+        finished = (run.path / "summary.json").exists()
+        if not finished:
+            components.prepare(run)
+            self.sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
+            t0 = time.time()
+            self.sup.add(components.dataflow(run, local=False, env={"ASTRAFLOW_PARTITION": self.task.partition}))
+            wait_rendezvous(run.path, timeout_s=120, newer_than=t0)
+        return {"run_dir": str(run.path.resolve()), "session": session, "finished": finished}
+
+    # ------------------------------------------------------------ roles
+    def dataflow_task(self, run: RunDir) -> int:
+        t_components = time.time()
+        last: dict = {}
+        next_status = 0.0
+
+        def done(_: list[str]) -> bool:
+            nonlocal last, next_status
+            if time.monotonic() < next_status:
+                return False
+            next_status = time.monotonic() + STATUS_EVERY_S
+            try:
+                last = components.dataflow_status(run)
+            except TimeoutError:  # the rank is restarting: ask again later
+                return False
+            return components.trainers_done(run, last)
+
+        if not self.supervise(done):
+            return EXIT_STOPPED
+        components.finished_marker(run.path).write_text(json.dumps({"time": time.time(), "job": self.task.job_id}))
+        self.sup.stop(timeout_s=STOP_TIMEOUT_S)
+        summary = write_summary(run, last, wall_s=time.time() - self.started, components_s=time.time() - t_components)
+        log.info("run finished: %s", json.dumps({k: summary.get(k) for k in ("steps", "reward_last", "eval_accuracy")}))
+        return 0
+
+    def trainer_task(self, run: RunDir) -> int:
+        cfg = run.config
+        world = cfg.trainer.world
+        policy = cfg.policy_names[self.task.group_rank // world]
+        rank = self.task.group_rank % world
+        self.sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
+        generation = GroupGeneration(run.path / "rendezvous", f"torch-{policy}-{os.environ['ASTRAFLOW_SESSION']}")
+        comp = self.sup.add(components.trainer(run, policy, [rank], world, {}, generation if world > 1 else None))
+        return 0 if self.supervise(lambda finished: comp.name in finished or self._finished(run)) else EXIT_STOPPED
+
+    def rollout_task(self, run: RunDir) -> int:
+        cfg = run.config
+        self.sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
+        worker_id = f"{self.task.job_id}.{self.task.procid}"
+        self.sup.add(components.rollout(run, f"rollout-{worker_id}", worker_id))
+        return 0 if self.supervise(lambda _: self._finished(run)) else EXIT_STOPPED
+
+    def supervise(self, done) -> bool:
+        return Watch(self.sup).until(done)
+
+    @staticmethod
+    def _finished(run: RunDir) -> bool:
+        return components.finished_marker(run.path).exists()
+
+
+def run_node(config: str | None, run_dir: str, overrides: list[str]) -> int:
+    return Node(current_task(), config, run_dir, overrides).run()
