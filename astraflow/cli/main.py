@@ -132,11 +132,9 @@ def _node(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from astraflow.slurm.status import format_status, run_status
+    from astraflow.slurm.status import print_status
 
-    report = run_status(args.run_dir)
-    print(json.dumps(report, indent=2) if args.json else format_status(report))
-    return 0
+    return print_status(args.run_dir, args.json)
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:

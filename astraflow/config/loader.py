@@ -64,7 +64,8 @@ def parse_typed(tp: type[T], text: str, source: str, overrides: Iterable[str] = 
 
 
 def _kind(tp: type) -> str:
-    return "config" if tp is Config else tp.__name__
+    """`SiteProfile` -> "site profile", for messages."""
+    return "config" if tp is Config else "".join(f" {c.lower()}" if c.isupper() else c for c in tp.__name__).strip()
 
 
 def dump_config(cfg: Config) -> str:
@@ -106,6 +107,11 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('policies')}: policies: at most 127 policies")
     if cfg.tasks.kind == "jsonl" and not cfg.tasks.path:
         raise ConfigError(f"{where.at('tasks')}: tasks.path: required when tasks.kind is 'jsonl'")
+    e = cfg.elastic
+    if not 0 <= e.min_workers <= e.max_workers or e.step < 1:
+        raise ConfigError(f"{where.at('elastic')}: elastic: expected 0 <= min_workers <= max_workers and step >= 1")
+    if not 0 <= e.shrink_below < e.grow_above <= 1:
+        raise ConfigError(f"{where.at('elastic')}: elastic: expected 0 <= shrink_below < grow_above <= 1")
     if cfg.tasks.group_size < 1:
         raise ConfigError(f"{where.at('tasks.group_size')}: tasks.group_size: expected >= 1")
 

@@ -148,6 +148,21 @@ class LauncherConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """The automatic controller of the rollout pool (Slurm runs): it grows the pool with
+    rollout arrays while trainers wait for data and drains it while they do not."""
+    enabled: bool = False
+    min_workers: int = 0  # array workers beyond the het job's own rollout tasks
+    max_workers: int = 4
+    step: int = 1  # workers added or removed per decision
+    grow_above: float = 0.5  # max trainer wait fraction (over dataflow.status_window_s) to grow
+    shrink_below: float = 0.1  # ... and to shrink: the gap between the two is the hysteresis
+    cooldown_s: float = 60.0  # no decision, least of all the opposite one, this soon after one
+    interval_s: float = 5.0
+    partition: str = ""  # where arrays go (empty: the het job's rollout partition)
+
+
+@dataclass(frozen=True)
 class Config:
     policies: tuple[PolicyConfig, ...]
     run: RunConfig = RunConfig()
@@ -160,6 +175,7 @@ class Config:
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
     launcher: LauncherConfig = LauncherConfig()
+    elastic: ElasticConfig = ElasticConfig()
 
     def policy(self, name: str) -> PolicyConfig:
         for p in self.policies:

@@ -271,9 +271,15 @@ class DataflowState:
         return m.RenewReply(renewed, lost)
 
     def _release(self, req: m.Release, now: float) -> m.Ok:
-        self._worker(req.worker_id, now)
+        worker = self._worker(req.worker_id, now)
         for tid in req.task_ids:
             self.tasks.release(tid, req.worker_id)
+        if req.leaving:
+            # whatever it still holds (a lease it forgot about) goes back too
+            for tid in [t for t, lease in self.tasks.leased.items() if lease.worker == worker.worker_id]:
+                self.tasks.release(tid)
+            worker.alive = False
+            self.journal.append("leave", worker=worker.worker_id, time=time.time())
         return m.Ok()
 
     def _weights(self, req: m.Weights, now: float) -> m.WeightsReply:

@@ -52,7 +52,7 @@ def rollout(run: RunDir, name: str, worker_id: str, env: dict[str, str] | None =
 
 
 def dataflow_status(run: RunDir, timeout_s: float = 10.0) -> dict:
-    client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=timeout_s)
+    client = Client(wait_rendezvous(run.path, timeout_s)["address"], run.read_secret(), timeout_s=timeout_s)
     try:
         return client.call(m.Status()).status
     finally:

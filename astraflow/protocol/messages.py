@@ -176,9 +176,11 @@ class Commit:
 
 @dataclass(frozen=True)
 class Release:
-    """Hand leases back without committing (draining, preemption)."""
+    """Hand leases back without committing (draining, preemption); `leaving`: the worker is
+    exiting, so it is no longer counted alive (rather than after the heartbeat timeout)."""
     worker_id: str
     task_ids: list[int]
+    leaving: bool = False
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 RETIRE_GRACE_S = 10.0  # a drained worker's in-flight episodes get this long, then are handed back
 
 
+class WorkerStopped(Exception):
+    """Stop was requested while a call to the dataflow rank went unanswered."""
+
+
 class RolloutWorker:
     def __init__(self, run: RunDir, policies: list[str], base_id: str) -> None:
         self.rundir, self.cfg = run, run.config
@@ -60,6 +64,8 @@ class RolloutWorker:
                     await self.register()
                 return await self.client.call(make())
             except TimeoutError:
+                if self.stopping:  # the rank is gone (the run ended) or unreachable: leave
+                    raise WorkerStopped from None
                 self.client.reconnect(read_rendezvous(self.rundir.path)["address"])
             except RemoteError as e:
                 if e.code != "unknown_worker":
@@ -121,10 +127,13 @@ class RolloutWorker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             loop.add_signal_handler(sig, self._stop)
-        await self.rpc(lambda: m.Heartbeat(self.worker_id))  # registers
-        background = [loop.create_task(self.heartbeat_loop()), loop.create_task(self.weights_loop())]
+        background = []
         try:
+            await self.rpc(lambda: m.Heartbeat(self.worker_id))  # registers
+            background = [loop.create_task(self.heartbeat_loop()), loop.create_task(self.weights_loop())]
             await self.lease_loop()
+        except WorkerStopped:
+            log.info("stopped while the dataflow rank did not answer")
         finally:
             for t in background:
                 t.cancel()
@@ -164,10 +173,10 @@ class RolloutWorker:
         pending = [t for t, task in self.inflight.items() if not task.done()]
         for task in self.inflight.values():
             task.cancel()
-        if pending and self.worker_id:
+        if self.worker_id:
             try:
-                await self.client.call(m.Release(self.worker_id, pending), timeout_s=5)
-                log.info("handed back %d leases", len(pending))
+                await self.client.call(m.Release(self.worker_id, pending, leaving=True), timeout_s=5)
+                log.info("left the pool, handing back %d leases", len(pending))
             except (TimeoutError, RemoteError) as e:
                 log.warning("could not hand back leases (%s); they will expire", e)
 

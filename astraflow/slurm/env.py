@@ -52,7 +52,7 @@ def current_task(env: Mapping[str, str] = os.environ) -> SlurmTask:
     for g in range(size):
         n = int(env[f"SLURM_NTASKS_HET_GROUP_{g}"])
         if procid < start + n:
-            return SlurmTask(env.get(f"SLURM_JOB_ID_HET_GROUP_0", job), procid, g, procid - start, n,
+            return SlurmTask(env.get("SLURM_JOB_ID_HET_GROUP_0", job), procid, g, procid - start, n,
                              env.get(f"SLURM_JOB_PARTITION_HET_GROUP_{g}", "unknown"), host)
         start += n
     raise RuntimeError(f"SLURM_PROCID={procid} is beyond the het groups' {start} tasks")

@@ -26,25 +26,28 @@ from astraflow.launch.summary import write_summary
 from astraflow.launch.supervisor import EXIT_STOPPED, ComponentFailed, GroupGeneration, Supervisor
 from astraflow.protocol.client import wait_rendezvous
 from astraflow.slurm.bootstrap import bootstrap
+from astraflow.slurm.elastic import ElasticController
 from astraflow.slurm.env import SlurmTask, current_task
 from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
 
 log = logging.getLogger(__name__)
 
 STATUS_EVERY_S = 2.0
+LEAVE_TIMEOUT_S = 10.0
 
 
 class Node:
     def __init__(self, task: SlurmTask, config: str | None, run_dir: str, overrides: list[str]) -> None:
         self.task, self.config, self.run_dir, self.overrides = task, config, run_dir, overrides
         self.sup: Supervisor | None = None
+        self.peers: list[dict] = []
         self.started = time.time()
 
     # ------------------------------------------------------------ bootstrap
     def run(self) -> int:
         me = {"procid": self.task.procid, "group": self.task.het_group, "role": self.task.role,
               "partition": self.task.partition, "node": self.task.node}
-        peers, info = bootstrap(me, self.lead)
+        self.peers, info = bootstrap(me, self.lead)
         if "error" in info:
             log.error("start-up failed on the dataflow task: %s", info["error"])
             return 1
@@ -103,13 +106,35 @@ class Node:
                 return False
             return components.trainers_done(run, last)
 
-        if not self.supervise(done):
-            return EXIT_STOPPED
+        controller = None
+        if run.config.elastic.enabled:
+            rollout_partition = next((p["partition"] for p in self.peers if p["role"] == "rollout"), "")
+            controller = ElasticController(run, rollout_partition)
+            controller.start()
+        try:
+            if not self.supervise(done):
+                return EXIT_STOPPED
+        finally:
+            if controller is not None:
+                controller.stop()
         components.finished_marker(run.path).write_text(json.dumps({"time": time.time(), "job": self.task.job_id}))
+        self._wait_workers_left(run)
         self.sup.stop(timeout_s=STOP_TIMEOUT_S)
         summary = write_summary(run, last, wall_s=time.time() - self.started, components_s=time.time() - t_components)
         log.info("run finished: %s", json.dumps({k: summary.get(k) for k in ("steps", "reward_last", "eval_accuracy")}))
         return 0
+
+    @staticmethod
+    def _wait_workers_left(run: RunDir) -> None:
+        """Give the workers, which watch for the finished marker, a moment to leave cleanly."""
+        deadline = time.monotonic() + LEAVE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                if components.dataflow_status(run, timeout_s=2)["workers"]["alive"] == 0:
+                    return
+            except TimeoutError:
+                return
+            time.sleep(0.2)
 
     def trainer_task(self, run: RunDir) -> int:
         cfg = run.config

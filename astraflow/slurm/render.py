@@ -62,7 +62,8 @@ def render_hetjob(shape: JobShape, site: SiteProfile, config: str, python: str,
             lines.append("#SBATCH hetjob")
         lines.append(f"# {ROLE_COMMENTS[group]}")
         lines.append(_sbatch("partition", partition))
-        lines += [f"#SBATCH --nodes=1", f"#SBATCH --ntasks={ntasks}", f"#SBATCH --cpus-per-task={site.cpus_per_task}"]
+        nodes = -(-ntasks // site.tasks_per_node) if group and site.tasks_per_node else 1
+        lines += [f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks={ntasks}", f"#SBATCH --cpus-per-task={site.cpus_per_task}"]
         lines.append(_sbatch("time", site.time))
         lines.append(f"#SBATCH --signal=USR1@{site.signal_s}")
         if site.account:

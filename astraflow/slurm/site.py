@@ -23,6 +23,7 @@ class SiteProfile:
     time: str = "04:00:00"  # per job, sbatch --time
     dataflow_partition: str = "cpu"  # het group 0; trainers and rollouts get --partitions
     cpus_per_task: int = 1
+    tasks_per_node: int = 0  # trainer / rollout tasks per node (0: all of a component on one node)
     gpus_per_task: int = 0  # for trainer and rollout tasks; the dataflow task never gets one
     gpu_type: str = ""  # e.g. "h100": --gpus-per-task=h100:N
     mem: str = ""  # per node, sbatch --mem (empty: the partition's default)
@@ -37,7 +38,12 @@ class SiteProfile:
     extra_sbatch: tuple[str, ...] = ()  # more `#SBATCH` options, verbatim, for every component
 
 
-def load_site(site: str | None) -> SiteProfile:
+def site_path(site: str | None) -> Path:
     """A profile by path, or by name from launchers/ (`local` when none is given)."""
-    path = Path(site) if site and (site.endswith((".yaml", ".yml")) or "/" in site) else SITES_DIR / f"{site or 'local'}.yaml"
-    return load_typed(SiteProfile, path)
+    if site and (site.endswith((".yaml", ".yml")) or "/" in site):
+        return Path(site)
+    return SITES_DIR / f"{site or 'local'}.yaml"
+
+
+def load_site(site: str | None) -> SiteProfile:
+    return load_typed(SiteProfile, site_path(site))

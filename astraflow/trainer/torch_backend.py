@@ -39,6 +39,11 @@ from astraflow.weights.fs import publish
 log = logging.getLogger(__name__)
 
 BATCH_TIMEOUT_S = 30.0
+STOP_POLL_S = 0.5  # how often a trainer waiting for a batch looks at its stop flag
+
+
+class TrainerStopped(Exception):
+    """A stop signal arrived while waiting for a batch."""
 METRIC_FIELDS = ("step", "time", "reward_mean", "reward_trained", "generated", "loss", "clip_frac", "is_weight", "behaviour_kl", "grad_norm",
                  "samples", "tokens", "completion_len", "version_lag", "wait_s", "train_s")
 
@@ -75,13 +80,24 @@ class TorchTrainer:
     def _checkpoint_and_stop(self, signum, frame) -> None:
         self.stop = True
 
-    def call(self, request):
-        """Retry through dataflow restarts; every request the trainer makes is idempotent."""
+    def call(self, request, interruptible: bool = False):
+        """Retry through dataflow restarts; every request the trainer makes is idempotent.
+
+        An `interruptible` request (waiting for a batch) gives up when a stop signal arrives,
+        so that the trainer checkpoints at once instead of waiting for data that may never
+        come (the dataflow rank is being stopped too)."""
         while True:
-            try:
-                return self.client.call(request)
-            except TimeoutError:
-                self.client.reconnect(read_rendezvous(self.run.path)["address"])
+            seq = self.client.send(request)
+            deadline = time.monotonic() + BATCH_TIMEOUT_S
+            while time.monotonic() < deadline:
+                reply = self.client.poll(seq, STOP_POLL_S)
+                if reply is not None:
+                    return reply
+                if interruptible and self.stop:
+                    self.client.abandon(seq)
+                    raise TrainerStopped
+            self.client.abandon(seq)
+            self.client.reconnect(read_rendezvous(self.run.path)["address"])
 
     def run_loop(self) -> None:
         if self.rank == 0:  # one Ready per group: a second one would hand back what rank 0 was served
@@ -93,7 +109,10 @@ class TorchTrainer:
         if self.world > 1:
             dist.barrier()
         while self.step < self.tcfg.steps and not self.stop:
-            row = self.train_step(self.step + 1)
+            try:
+                row = self.train_step(self.step + 1)
+            except TrainerStopped:
+                break
             if row is None:
                 break
             if self.rank == 0:
@@ -122,7 +141,8 @@ class TorchTrainer:
     def train_step(self, step: int) -> dict | None:
         t0 = time.perf_counter()
         try:
-            reply = self.call(m.Batch(self.policy, step, self.tcfg.batch_size, self.rank, self.world, self.step))
+            reply = self.call(m.Batch(self.policy, step, self.tcfg.batch_size, self.rank, self.world, self.step),
+                              interruptible=True)
         except RemoteError as e:
             if e.code == "exhausted":
                 log.info("no samples left: stopping at step %d", self.step)

@@ -1,0 +1,89 @@
+"""Rollout job arrays: extra rollout workers for a running job, submitted with submitit.
+
+Each array task supervises one rollout worker (id `<array_job>_<task>`, plus the dataflow
+rank's restart counter) that finds the running dataflow rank through `RUN_DIR/rendezvous/`
+and registers like any other worker. The task ends when its worker is drained (`scale
+--remove`, the elastic controller), when the run is finished, or on Slurm's signals.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from astraflow.config.rundir import RunDir
+from astraflow.launch import components
+from astraflow.launch.supervisor import Supervisor
+from astraflow.slurm import jobs
+from astraflow.slurm.env import partition, rollout_worker_id
+from astraflow.slurm.site import SiteProfile
+from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
+
+
+def rollout_array_task(run_dir: str) -> int:
+    """What one array task runs (in the submitit job process on the compute node)."""
+    run = RunDir.open(run_dir)
+    worker_id = rollout_worker_id()
+    os.environ["ASTRAFLOW_PARTITION"] = partition()
+    sup = Supervisor(run.config.launcher.max_restarts, run.config.launcher.backoff_s)
+    comp = sup.add(components.rollout(run, f"rollout-{worker_id}", worker_id))
+    try:
+        Watch(sup).until(lambda finished: comp.name in finished or components.finished_marker(run.path).exists())
+    finally:
+        sup.stop(timeout_s=STOP_TIMEOUT_S)
+    return 0
+
+
+def time_minutes(limit: str) -> int:
+    """Slurm's time formats (MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]) as minutes, rounded up."""
+    days, _, rest = limit.rpartition("-")
+    try:
+        parts = [int(x) for x in rest.split(":")]
+        if not 1 <= len(parts) <= 3 or (days and not days.isdigit()):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"time: {limit!r} is not a Slurm time limit ([D-]HH:MM:SS)") from None
+    if days:
+        h, m, s = (parts + [0, 0])[:3]
+    else:
+        h, m, s = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+    return int(days or 0) * 1440 + h * 60 + m + (1 if s else 0)
+
+
+def submit_rollout_array(run: RunDir, n: int, partition_name: str, site: SiteProfile, python: str,
+                         reason: str = "scale --add") -> str:
+    """Submit an array of `n` rollout tasks on `partition_name`; returns the array's job id."""
+    import submitit
+
+    folder = run.path / "slurm" / "arrays" / "%j"
+    executor = submitit.SlurmExecutor(folder=folder, python=python)
+    setup = [f"module load {m}" for m in site.modules] + list(site.setup) + [f"cd {shlex.quote(str(Path.cwd()))}"]
+    srun_args = ([f"--container-image={site.container_image}"] if site.container_image else []) + \
+                ([f"--container-mounts={site.container_mounts}"] if site.container_mounts else [])
+    params = dict(partition=partition_name, time=time_minutes(site.time), cpus_per_task=site.cpus_per_task,
+                  job_name="astraflow-rollout", array_parallelism=n, setup=setup, srun_args=srun_args,
+                  signal_delay_s=site.signal_s, stderr_to_stdout=True,
+                  # Slurm's warning reaches the worker as SIGUSR1, like the het step's workers
+                  additional_parameters={"signal": f"USR1@{site.signal_s}", **_extra(site)})
+    if site.account:
+        params["account"] = site.account
+    if site.qos:
+        params["qos"] = site.qos
+    if site.mem:
+        params["mem"] = site.mem
+    if site.gpus_per_task:
+        params["gres"] = f"gpu:{site.gpu_type + ':' if site.gpu_type else ''}{site.gpus_per_task}"
+    executor.update_parameters(**params)
+    submitted = executor.map_array(rollout_array_task, [str(run.path)] * n)
+    array_id = submitted[0].job_id.split("_")[0]
+    jobs.add_array(run.path, array_id, n, partition_name, reason)
+    return array_id
+
+
+def _extra(site: SiteProfile) -> dict:
+    out = {}
+    for opt in site.extra_sbatch:
+        key, _, value = opt.lstrip("-").partition("=")
+        out[key] = value or True
+    return out
+
