@@ -90,11 +90,11 @@ def _scale(args: argparse.Namespace) -> int:
         site_file = run.path / "slurm" / "site.yaml"
         site = load_site(args.site or (str(site_file) if site_file.exists() else None))
         partition = args.partition or _rollout_partition(run.path)
-        array = submit_rollout_array(run, args.add, partition, site, site.python or sys.executable)
+        array = submit_rollout_array(run, args.add, partition, site, site.python or sys.executable, reason=args.reason)
         print(f"submitted rollout array {array} ({args.add} tasks on {partition})")
     else:
         removed = scale.remove(run, args.remove, args.partition)
-        print(f"drained and cancelled {len(removed)} workers: {' '.join(removed) or '-'}")
+        print(f"drained or cancelled {len(removed)} workers: {' '.join(removed)}")
     return 0
 
 
@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--remove", type=int, metavar="N", help="drain N array workers and cancel their tasks")
     p.add_argument("--partition", help="where to add (default: the job's rollout partition) / whom to remove")
     p.add_argument("--site", help="site profile for the array (default: the run's, else local)")
+    p.add_argument("--reason", default="scale --add", help="recorded with the array in RUN_DIR/slurm/jobs.json")
     p.set_defaults(fn=_scale)
 
     p = sub.add_parser("status", help="the run's Slurm jobs, workers and throughput per partition")

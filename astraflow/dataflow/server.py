@@ -75,8 +75,12 @@ class DataflowServer:
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
         self.publish_rendezvous()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
+        # Slurm's warning before preemption reaches every process of the step: the rank keeps
+        # serving, so that trainers and workers can checkpoint and hand back their leases;
+        # its supervisor stops it (SIGTERM) once they are gone
+        signal.signal(signal.SIGUSR1, self._warned)
         try:
             while self.running:
                 self.turn()
@@ -84,6 +88,9 @@ class DataflowServer:
             self.state.close()
             self.sock.close(0)
             self.ctx.term()
+
+    def _warned(self, signum: int, frame: Any) -> None:
+        log.info("signal %d (preemption warning): serving on until stopped", signum)
 
     def _stop(self, signum: int, frame: Any) -> None:
         log.info("signal %d: stopping after this turn", signum)

@@ -218,7 +218,7 @@ class DataflowState:
                 self.tasks.release(t)
         self.journal.append("register", base=req.worker_id, k=self.workers.restarts[req.worker_id],
                             worker=info.worker_id, partition=req.partition, hardware=req.hardware,
-                            host=req.host, time=time.time())
+                            host=req.host, engine_load_s=req.engine_load_s, time=time.time())
         hb = self.cfg.dataflow.heartbeat_timeout_s
         return m.RegisterReply(info.worker_id, self.cfg.dataflow.lease_s, hb / 3)
 

@@ -145,6 +145,7 @@ class Register:
     partition: str = ""
     host: str = ""
     pid: int = 0
+    engine_load_s: float = 0.0  # how long the worker took to load its engines (elastic bench)
 
 
 @dataclass(frozen=True)

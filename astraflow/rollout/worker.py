@@ -54,6 +54,7 @@ class RolloutWorker:
         self.inflight: dict[int, asyncio.Task] = {}
         self.stopping = False
         self.committed = 0
+        self.engine_load_s = 0.0
 
     # ------------------------------------------------------------- plumbing
     async def rpc(self, make: Callable[[], Any]) -> Any:
@@ -77,7 +78,7 @@ class RolloutWorker:
         reply = await self.client.call(m.Register(
             m.PROTOCOL_VERSION, self.base_id, self.policies, capacity=self.cfg.rollout.concurrency,
             hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
-            partition=partition(), host=socket.gethostname(), pid=os.getpid()))
+            partition=partition(), host=socket.gethostname(), pid=os.getpid(), engine_load_s=self.engine_load_s))
         self.worker_id = reply.worker_id
         self.heartbeat_s = reply.heartbeat_s
         log.info("registered as %s", self.worker_id)
@@ -113,9 +114,11 @@ class RolloutWorker:
     async def run(self) -> None:
         cfg = self.cfg
         model_dir = base_model_dir(self.rundir.path, cfg.model.path)
+        t0 = time.perf_counter()
         self.engines = {p: ENGINES[cfg.engine.kind](str(model_dir), max_batch=cfg.engine.max_batch,
                                                     threads=cfg.engine.threads, seed=cfg.run.seed)
                         for p in self.policies}
+        self.engine_load_s = time.perf_counter() - t0
         codec = next(iter(self.engines.values())).codec
         self.workflow = WORKFLOWS[cfg.tasks.workflow]
         self.ctx = EpisodeContext(
@@ -138,6 +141,8 @@ class RolloutWorker:
             for t in background:
                 t.cancel()
             await self.hand_back()
+            # the worker's own ledger, for tests and post-mortems: what the rank acknowledged
+            log.info("commits acknowledged: %d", self.committed)
             for e in self.engines.values():
                 e.close()
             self.client.close()

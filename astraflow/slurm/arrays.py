@@ -23,7 +23,8 @@ from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
 def rollout_array_task(run_dir: str) -> int:
     """What one array task runs (in the submitit job process on the compute node)."""
     run = RunDir.open(run_dir)
-    worker_id = rollout_worker_id()
+    # a single task is submitted as a plain job (submitit): it is task 0 of its "array"
+    worker_id = rollout_worker_id() if "SLURM_ARRAY_JOB_ID" in os.environ else f"{os.environ['SLURM_JOB_ID']}_0"
     os.environ["ASTRAFLOW_PARTITION"] = partition()
     sup = Supervisor(run.config.launcher.max_restarts, run.config.launcher.backoff_s)
     comp = sup.add(components.rollout(run, f"rollout-{worker_id}", worker_id))
@@ -74,7 +75,8 @@ def submit_rollout_array(run: RunDir, n: int, partition_name: str, site: SitePro
     if site.gpus_per_task:
         params["gres"] = f"gpu:{site.gpu_type + ':' if site.gpu_type else ''}{site.gpus_per_task}"
     executor.update_parameters(**params)
-    submitted = executor.map_array(rollout_array_task, [str(run.path)] * n)
+    with jobs.outside_any_job():
+        submitted = executor.map_array(rollout_array_task, [str(run.path)] * n)
     array_id = submitted[0].job_id.split("_")[0]
     jobs.add_array(run.path, array_id, n, partition_name, reason)
     return array_id

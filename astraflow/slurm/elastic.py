@@ -8,26 +8,24 @@ Bounds: the array workers present (queued or running, per squeue) stay within
 [min_workers, max_workers]. Hysteresis: the gap between the thresholds, and a cooldown
 after every action during which no decision is taken — so never the opposite one.
 
-It acts (it does not only advise), and writes every decision with its inputs to
-`RUN_DIR/logs/elastic.jsonl`. It runs in a thread of the dataflow rank's Slurm task.
+It acts (it does not only advise) through the same command a user has, `astraflow-launch
+scale RUN_DIR --add/--remove N`, in a child process. Every decision is written with its inputs to `RUN_DIR/logs/elastic.jsonl`.
+It runs in a thread of the dataflow rank's Slurm task.
 """
 from __future__ import annotations
 
 import json
 import logging
+import subprocess
 import sys
 import threading
 import time
 
 from astraflow.config.rundir import RunDir
 from astraflow.launch import components
-from astraflow.slurm import jobs, scale
-from astraflow.slurm.arrays import submit_rollout_array
-from astraflow.slurm.site import SiteProfile, load_site
+from astraflow.slurm.scale import queued_array_tasks
 
 log = logging.getLogger(__name__)
-
-ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 
 def decide(wait: float, workers: int, cfg, since_last_s: float) -> tuple[str, int]:
@@ -51,16 +49,13 @@ def decide(wait: float, workers: int, cfg, since_last_s: float) -> tuple[str, in
 class ElasticController(threading.Thread):
     def __init__(self, run: RunDir, partition: str) -> None:
         super().__init__(name="elastic", daemon=True)
-        self.run, self.cfg = run, run.config.elastic
+        self.rundir, self.cfg = run, run.config.elastic
         self.partition = self.cfg.partition or partition
-        site_file = run.path / "slurm" / "site.yaml"
-        self.site = load_site(str(site_file)) if site_file.exists() else SiteProfile()
-        self.python = self.site.python or sys.executable
         self.last_action = float("-inf")
         self.stopping = threading.Event()
         self.log_path = run.path / "logs" / "elastic.jsonl"
 
-    def run(self) -> None:  # noqa: D401 — threading.Thread's entry point
+    def run(self) -> None:  # threading.Thread's entry point
         while not self.stopping.wait(self.cfg.interval_s):
             try:
                 self.tick()
@@ -70,34 +65,29 @@ class ElasticController(threading.Thread):
     def stop(self) -> None:
         self.stopping.set()
 
-    def array_tasks(self) -> list[str]:
-        """Array tasks of this run present in the queue, `<array>_<task>`."""
-        arrays = [a["job_id"] for a in jobs.load(self.run.path)["arrays"]]
-        return [j["job_id"] for j in jobs.squeue(arrays) if j["state"] in ACTIVE_STATES]
+    def scale(self, *args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "astraflow.cli.launch", "scale", str(self.rundir.path), *args],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"astraflow-launch scale {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout
 
     def tick(self) -> None:
-        status = components.dataflow_status(self.run, timeout_s=5)
+        status = components.dataflow_status(self.rundir, timeout_s=5)
         waits = {p: v["trainer_wait_fraction"] for p, v in status["policies"].items()}
         wait = max(waits.values())
-        present = self.array_tasks()
-        now = time.monotonic()
-        action, n = decide(wait, len(present), self.cfg, now - self.last_action)
+        present = queued_array_tasks(self.rundir)
+        action, n = decide(wait, len(present), self.cfg, time.monotonic() - self.last_action)
         entry = {"time": time.time(), "action": action, "n": n, "wait_fraction": wait, "waits": waits,
                  "array_workers": len(present), "min": self.cfg.min_workers, "max": self.cfg.max_workers,
                  "thresholds": [self.cfg.shrink_below, self.cfg.grow_above], "cooldown_s": self.cfg.cooldown_s}
         if action == "grow":
-            entry["job_id"] = submit_rollout_array(self.run, n, self.partition, self.site, self.python,
-                                                   reason=f"elastic: wait {wait:.2f} > {self.cfg.grow_above}")
+            out = self.scale("--add", str(n), "--partition", self.partition,
+                             "--reason", f"elastic: wait {wait:.2f} > {self.cfg.grow_above}")
+            entry["job_id"] = out.split("rollout array ")[1].split()[0]
         elif action == "shrink":
-            # array tasks still starting (no worker registered yet) go first: they hold nothing
-            registered = {w["base"] for w in status["workers"]["list"]}
-            starting = [t for t in present if t not in registered][:n]
-            jobs.scancel(starting)
-            jobs.mark_cancelled(self.run.path, starting)
-            drained = [w["base"] for w in scale.array_workers(self.run, status)[:n - len(starting)]]
-            if drained:
-                scale.drain(self.run, drained)
-            entry["removed"] = starting + drained
+            out = self.scale("--remove", str(n))
+            entry["removed"] = out.split("workers: ")[1].split() if "workers: " in out else []
         if action in ("grow", "shrink"):
             self.last_action = time.monotonic()
             log.info("elastic: %s %d (wait fraction %.2f, %d array workers)", action, n, wait, len(present))

@@ -22,6 +22,24 @@ class SlurmError(RuntimeError):
     pass
 
 
+# Variables of an enclosing job (the elastic controller submits from inside the het job) that
+# must not leak into a job submitted from it: the new job's srun would believe it is part of
+# the enclosing heterogeneous job.
+JOB_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "PMI_", "PMIX_", "MPIR_", "HYDRA_")
+
+
+@contextlib.contextmanager
+def outside_any_job() -> Iterator[None]:
+    """Submit as if from a login shell: the enclosing job's variables are hidden meanwhile."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(JOB_ENV_PREFIXES)}
+    for k in saved:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def _slurm(*cmd: str, input: str | None = None) -> str:
     if shutil.which(cmd[0]) is None:
         raise SlurmError(f"{cmd[0]} not found: is this a Slurm login node? (one machine: tools/local-slurm.sh start)")
@@ -33,7 +51,8 @@ def _slurm(*cmd: str, input: str | None = None) -> str:
 
 def sbatch(script: Path, *args: str) -> str:
     """Submit a script file; returns the job id."""
-    return _slurm("sbatch", "--parsable", str(script), *args).strip().split(";")[0]
+    with outside_any_job():
+        return _slurm("sbatch", "--parsable", str(script), *args).strip().split(";")[0]
 
 
 def scancel(ids: list[str], signal: str | None = None) -> None:
@@ -96,6 +115,21 @@ def add_array(run_path: Path, job_id: str, tasks: int, partition: str, reason: s
     with updating(run_path) as rec:
         rec["arrays"].append({"job_id": job_id, "tasks": tasks, "partition": partition, "reason": reason,
                               "submitted": time.time(), "cancelled": []})
+
+
+def task_slurm_id(run_path: Path, base: str) -> str:
+    """The Slurm id of the array task whose worker is `base` (`<array>_<task>`).
+
+    submitit submits a single task as a plain job, not an array: its worker is `<job>_0`
+    but Slurm knows it as `<job>`."""
+    array, _, task = base.partition("_")
+    single = any(a["job_id"] == array and a["tasks"] == 1 for a in load(run_path)["arrays"])
+    return array if single else base
+
+
+def worker_base(slurm_id: str) -> str:
+    """Inverse of `task_slurm_id`: squeue's id of an array task (or single job) -> worker base."""
+    return slurm_id if "_" in slurm_id else f"{slurm_id}_0"
 
 
 def mark_cancelled(run_path: Path, worker_bases: list[str]) -> None:

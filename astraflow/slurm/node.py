@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 
 from astraflow.config.rundir import RunDir
@@ -41,6 +42,7 @@ class Node:
         self.task, self.config, self.run_dir, self.overrides = task, config, run_dir, overrides
         self.sup: Supervisor | None = None
         self.peers: list[dict] = []
+        self.watch: Watch | None = None
         self.started = time.time()
 
     # ------------------------------------------------------------ bootstrap
@@ -113,6 +115,8 @@ class Node:
             controller.start()
         try:
             if not self.supervise(done):
+                if self.watch.signal == signal.SIGUSR1:  # a warning: let the others leave first
+                    self._wait_workers_left(run)
                 return EXIT_STOPPED
         finally:
             if controller is not None:
@@ -154,7 +158,8 @@ class Node:
         return 0 if self.supervise(lambda _: self._finished(run)) else EXIT_STOPPED
 
     def supervise(self, done) -> bool:
-        return Watch(self.sup).until(done)
+        self.watch = Watch(self.sup)
+        return self.watch.until(done)
 
     @staticmethod
     def _finished(run: RunDir) -> bool:

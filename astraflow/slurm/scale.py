@@ -21,6 +21,14 @@ from astraflow.slurm import jobs
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.5
+ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+
+
+def queued_array_tasks(run: RunDir, partition: str | None = None) -> list[str]:
+    """Worker bases (`<array>_<task>`) of this run's array tasks present in the queue."""
+    arrays = [a["job_id"] for a in jobs.load(run.path)["arrays"]]
+    return [jobs.worker_base(j["job_id"]) for j in jobs.squeue(arrays)
+            if j["state"] in ACTIVE_STATES and partition in (None, j["partition"])]
 
 
 def array_workers(run: RunDir, status: dict, partition: str | None = None) -> list[dict]:
@@ -50,18 +58,24 @@ def drain(run: RunDir, bases: list[str], timeout_s: float = RETIRE_GRACE_S + 10)
             time.sleep(DRAIN_POLL_S)
     finally:
         client.close()
-    jobs.scancel(bases)  # <array>_<task> is the Slurm array task's id
+    jobs.scancel([jobs.task_slurm_id(run.path, b) for b in bases])
     jobs.mark_cancelled(run.path, bases)
     return left
 
 
 def remove(run: RunDir, n: int, partition: str | None = None) -> list[str]:
-    """Drain up to `n` array workers (newest first); returns the base ids removed."""
+    """Remove up to `n` array workers: tasks still starting (no worker registered yet, so
+    holding nothing) are cancelled first, then registered ones are drained, newest first.
+    Returns the worker bases removed."""
     status = components.dataflow_status(run)
-    chosen = [w["base"] for w in array_workers(run, status, partition)[:n]]
-    if len(chosen) < n:
+    registered = {w["base"] for w in status["workers"]["list"]}
+    starting = [b for b in queued_array_tasks(run, partition) if b not in registered][:n]
+    jobs.scancel([jobs.task_slurm_id(run.path, b) for b in starting])
+    jobs.mark_cancelled(run.path, starting)
+    drained = [w["base"] for w in array_workers(run, status, partition)[:n - len(starting)]]
+    if len(starting) + len(drained) < n:
         log.warning("only %d array workers%s can be removed (the het job's own rollout tasks stay)",
-                    len(chosen), f" on {partition}" if partition else "")
-    if chosen:
-        drain(run, chosen)
-    return chosen
+                    len(starting) + len(drained), f" on {partition}" if partition else "")
+    if drained:
+        drain(run, drained)
+    return starting + drained

@@ -121,6 +121,7 @@ class TorchTrainer:
             self.board.close()
         if self.stop and self.rank == 0:
             save_checkpoint(self.ckpt_dir, self.model, self.optim, self.step)
+            log.info("stopped by a signal: checkpointed step %d", self.step)
         self.client.close()
 
     def record(self, row: dict) -> None:

@@ -1,0 +1,137 @@
+"""The Slurm path on a real local cluster: the heterogeneous job, a killed rollout rank,
+scale-out and scancel of rollout arrays, drain, preemption warning and requeue.
+
+Each test is a real run (`astraflow-launch` → sbatch → srun → MPI start-up → supervised
+components) on the quickstart task with the hf engine and short settings.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from astraflow.store.reader import load_rows
+from tests.slurm.conftest import (acknowledged_commits, events, in_queue, kill_tree, launch, launch_cli, node_pids,
+                                  status, summary, trainer_step, wait_for)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+
+GROUP = 8  # tasks.group_size of the quickstart
+
+
+def assert_each_task_stored_once(run_dir: Path) -> None:
+    per_task = load_rows(run_dir).groupby("task_id").size()
+    assert (per_task == GROUP).all(), per_task[per_task != GROUP]
+
+
+def test_hetjob_runs_on_its_partitions_and_survives_a_killed_rollout_rank(tmp_path: Path, cancel_jobs):
+    run_dir = tmp_path / "het run"  # a space in the path, as users' paths have
+    cancel_jobs(run_dir)
+    job = launch(run_dir, "trainer.steps=40", "rollout.workers=2")
+    wait_for("both rollout ranks registered and training under way",
+             lambda: len(events(run_dir, "register")) >= 2 and trainer_step(run_dir) >= 5, 120, run_dir)
+
+    # SIGKILL rollout rank 3 (its node process and its worker): a dead node, not a clean exit
+    victim = node_pids(run_dir, procid=3)
+    assert victim, "rollout rank 3 not found"
+    kill_tree(victim)
+    killed_at = trainer_step(run_dir)
+    wait_for("the killed worker declared dead",
+             lambda: (st := status(run_dir)) and st["workers"]["dead"] >= 1, 30, run_dir)
+    wait_for("the run to finish", lambda: not in_queue(job), 240, run_dir)
+
+    s = summary(run_dir)
+    assert s["steps"] == 40 and killed_at < 40
+    # roles ran where they were asked to: the job record, the journal, the shards
+    record = json.loads((run_dir / "rendezvous" / f"job-{job}.json").read_text())
+    assert [(t["role"], t["partition"]) for t in record["tasks"]] == [
+        ("dataflow", "cpu"), ("trainer", "gpu-h100"), ("rollout", "gpu-a100"), ("rollout", "gpu-a100")]
+    assert {e["partition"] for e in events(run_dir, "ready")} == {"gpu-h100"}
+    registered = {e["worker"]: e["partition"] for e in events(run_dir, "register")}
+    assert set(registered.values()) == {"gpu-a100"} and {w.split(".r")[0] for w in registered} == {f"{job}.2", f"{job}.3"}
+    rows = load_rows(run_dir)
+    assert set(rows.worker) <= set(registered)
+    assert_each_task_stored_once(run_dir)
+    # the surviving worker committed after the kill: the run finished on its work
+    assert acknowledged_commits(run_dir, f"{job}.2") > 0
+    assert "Killed" in (run_dir / "logs" / f"slurm-{job}.out").read_text()
+
+
+def test_scale_out_then_scancel_and_drain_lose_nothing(tmp_path: Path, cancel_jobs):
+    run_dir = tmp_path / "elastic"
+    cancel_jobs(run_dir)
+    job = launch(run_dir, "trainer.steps=400", "rollout.workers=1", "rollout.concurrency=4")
+    wait_for("training under way", lambda: trainer_step(run_dir) >= 3, 120, run_dir)
+
+    t0 = time.time()
+    out = launch_cli("scale", str(run_dir), "--add", "2", "--partition", "gpu-h100")
+    array = out.split("rollout array ")[1].split()[0]
+    joined = wait_for("both array tasks registered",
+                      lambda: (r := [e for e in events(run_dir, "register") if e["base"].startswith(f"{array}_")])
+                      and len(r) == 2 and r, 90, run_dir)
+    join_s = max(e["time"] for e in joined) - t0
+    assert {e["partition"] for e in joined} == {"gpu-h100"}
+    assert join_s < 60, f"array workers took {join_s:.1f}s to register"
+    wait_for("trajectories from the array workers",
+             lambda: (load_rows(run_dir).worker.str.startswith(f"{array}_")).sum() > 0, 60, run_dir)
+
+    # scancel the array as an admin would: its leases must be handed out again in time
+    requeued_before = status(run_dir)["tasks"]["requeued"]
+    t_cancel = time.monotonic()
+    subprocess.run(["scancel", array], check=True)
+    st = wait_for("the array workers gone and their leases back in the queue",
+                  lambda: (s := status(run_dir)) and not any(w["alive"] and w["base"].startswith(f"{array}_")
+                                                             for w in s["workers"]["list"]) and s, 30, run_dir)
+    handed_back_s = time.monotonic() - t_cancel
+    assert handed_back_s <= 5 + 5, f"leases handed back after {handed_back_s:.1f}s (heartbeat timeout 5 s + 5 s)"
+    assert st["tasks"]["requeued"] >= requeued_before
+    assert all(w["leases"] == 0 for w in st["workers"]["list"] if w["base"].startswith(f"{array}_"))
+
+    # a drained worker finishes or hands back what it holds, then its task is cancelled
+    out = launch_cli("scale", str(run_dir), "--add", "1", "--partition", "gpu-a100")
+    second = out.split("rollout array ")[1].split()[0]
+    wait_for("the second array's worker committing",
+             lambda: (load_rows(run_dir).worker.str.startswith(f"{second}_")).sum() > 0, 90, run_dir)
+    out = launch_cli("scale", str(run_dir), "--remove", "1")
+    assert f"{second}_0" in out
+    wait_for("the drained task gone from the queue", lambda: not in_queue(second), 30, run_dir)
+    assert any(e["bases"] == [f"{second}_0"] for e in events(run_dir, "drain"))
+
+    subprocess.run(["scancel", job], check=True)
+    wait_for("the job to end", lambda: not in_queue(job), 60, run_dir)
+    # nothing acknowledged is missing, nothing is stored twice
+    rows = load_rows(run_dir)
+    workers = rows.worker.str.split(".r").str[0]
+    for base in (f"{array}_0", f"{array}_1", f"{second}_0"):
+        stored_tasks = rows[workers == base].task_id.nunique()
+        assert stored_tasks == acknowledged_commits(run_dir, base) > 0, base
+    assert_each_task_stored_once(run_dir)
+
+
+def test_preemption_warning_then_requeue_resumes_the_run(tmp_path: Path, cancel_jobs):
+    run_dir = tmp_path / "requeue"
+    cancel_jobs(run_dir)
+    job = launch(run_dir, "trainer.steps=80", "rollout.workers=1", "trainer.checkpoint_every=50")
+    wait_for("training past step 12", lambda: trainer_step(run_dir) >= 12, 150, run_dir)
+
+    # Slurm's warning signal, as --signal=USR1@N delivers it: trainers checkpoint, workers leave
+    subprocess.run(["scancel", "--signal=USR1", "--full", job], check=True)
+    wait_for("the job to stop on the warning", lambda: not in_queue(job), 60, run_dir)
+    checkpoints = sorted(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints" / "policy").glob("step-*.pt"))
+    warned_at = checkpoints[-1]
+    assert warned_at >= 12 and warned_at % 50 != 0, f"no checkpoint at the warning: {checkpoints}"
+    assert events(run_dir, "leave"), "the worker did not hand back its leases on the warning"
+
+    # the scheduler requeues it (a preemption); the same job id, so the same run directory
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    wait_for("the job pending again", lambda: in_queue(job), 30, run_dir)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)  # skip requeue's hold
+    wait_for("the requeued run to finish", lambda: (run_dir / "summary.json").exists() and not in_queue(job), 240, run_dir)
+
+    ready = events(run_dir, "ready")
+    assert [e["resume_step"] for e in ready][0] == 0 and ready[-1]["resume_step"] == warned_at
+    assert summary(run_dir)["steps"] == 80
+    assert_each_task_stored_once(run_dir)
