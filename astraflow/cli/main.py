@@ -117,6 +117,14 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_elastic(args: argparse.Namespace) -> int:
+    from astraflow.bench.elastic import run_bench
+
+    result = run_bench(args.config, args.partitions.split(","), args.array_partition, args.engine, args.repeats)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
 def _bench_rollout(args: argparse.Namespace) -> int:
     from astraflow.bench.rollout import run_bench
 
@@ -223,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=32)
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_rollout)
+
+    b = bsub.add_parser("elastic", help="seconds for a rollout array to join a running Slurm job")
+    b.add_argument("--config", default="configs/quickstart.yaml")
+    b.add_argument("--partitions", default="gpu-h100,gpu-a100", help="the job's TRAINER,ROLLOUT[,DATAFLOW]")
+    b.add_argument("--array-partition", default="gpu-h100", help="where the added workers go")
+    b.add_argument("--engine", default="hf", choices=("hf", "vllm"))
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.set_defaults(fn=_bench_elastic)
     return parser
 
 

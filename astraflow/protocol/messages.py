@@ -230,6 +230,9 @@ class Status:
     pass
 
 
+RETIRE_GRACE_S = 10.0  # a drained worker's episodes in flight get this long, then are handed back
+
+
 @dataclass(frozen=True)
 class Drain:
     """Retire these workers (base ids): they get no new tasks, finish or hand back what they

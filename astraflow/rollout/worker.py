@@ -38,8 +38,6 @@ from astraflow.workflows.rewards import REWARDS
 
 log = logging.getLogger(__name__)
 
-RETIRE_GRACE_S = 10.0  # a drained worker's in-flight episodes get this long, then are handed back
-
 
 class WorkerStopped(Exception):
     """Stop was requested while a call to the dataflow rank went unanswered."""
@@ -172,7 +170,7 @@ class RolloutWorker:
         """Drained by the launcher: finish the episodes in flight (for a while), then leave."""
         log.info("retiring: finishing %d episodes in flight", len(self.inflight))
         if self.inflight:
-            await asyncio.wait(list(self.inflight.values()), timeout=RETIRE_GRACE_S)
+            await asyncio.wait(list(self.inflight.values()), timeout=m.RETIRE_GRACE_S)
 
     async def hand_back(self) -> None:
         pending = [t for t, task in self.inflight.items() if not task.done()]

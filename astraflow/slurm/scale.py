@@ -15,7 +15,6 @@ from astraflow.config.rundir import RunDir
 from astraflow.launch import components
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, wait_rendezvous
-from astraflow.rollout.worker import RETIRE_GRACE_S
 from astraflow.slurm import jobs
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ def array_workers(run: RunDir, status: dict, partition: str | None = None) -> li
     return sorted(out, key=lambda w: tuple(int(x) for x in w["base"].split("_")), reverse=True)
 
 
-def drain(run: RunDir, bases: list[str], timeout_s: float = RETIRE_GRACE_S + 10) -> list[str]:
+def drain(run: RunDir, bases: list[str], timeout_s: float = m.RETIRE_GRACE_S + 10) -> list[str]:
     """Retire workers and cancel their array tasks; returns those that left before the timeout."""
     client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=10)
     try:
