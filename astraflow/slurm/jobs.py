@@ -55,9 +55,9 @@ def sbatch(script: Path, *args: str) -> str:
         return _slurm("sbatch", "--parsable", str(script), *args).strip().split(";")[0]
 
 
-def scancel(ids: list[str], signal: str | None = None) -> None:
+def scancel(ids: list[str]) -> None:
     if ids:
-        _slurm("scancel", *([f"--signal={signal}", "--full"] if signal else []), *ids)
+        _slurm("scancel", *ids)
 
 
 def squeue(job_ids: list[str]) -> list[dict]:

@@ -118,7 +118,7 @@ def test_preemption_warning_then_requeue_resumes_the_run(tmp_path: Path, cancel_
     wait_for("training past step 12", lambda: trainer_step(run_dir) >= 12, 150, run_dir)
 
     # Slurm's warning signal, as --signal=USR1@N delivers it: trainers checkpoint, workers leave
-    subprocess.run(["scancel", "--signal=USR1", "--full", job], check=True)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)  # the steps, not the batch shell
     wait_for("the job to stop on the warning", lambda: not in_queue(job), 60, run_dir)
     checkpoints = sorted(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints" / "policy").glob("step-*.pt"))
     warned_at = checkpoints[-1]
