@@ -17,6 +17,7 @@ from typing import Callable
 
 import pytest
 
+from astraflow.config.loader import dump_config, parse_config
 from astraflow.config.rundir import RunDir
 from astraflow.launch import components
 from astraflow.slurm import jobs
@@ -48,6 +49,19 @@ def launch(run_dir: Path, *sets: str, partitions: str = "gpu-h100,gpu-a100") -> 
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     return re.search(r"submitted job (\d+)", out.stdout).group(1)
+
+
+def sbatch_by_hand(run_dir: Path, *sets: str, per_component: tuple[str, ...] = ()) -> str:
+    """`sbatch slurm/astraflow_het.sbatch CONFIG` as the README shows, with these settings
+    written into CONFIG; `per_component` are sbatch's `OPTS : OPTS : OPTS` overrides."""
+    cfg = parse_config((REPO / "configs" / "quickstart.yaml").read_text(), overrides=[*BASE_SET, *sets])
+    config = run_dir.parent / f"{run_dir.name}.yaml"
+    config.write_text(dump_config(cfg))
+    out = subprocess.run(["sbatch", "--parsable", *per_component, "slurm/astraflow_het.sbatch", str(config)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60,
+                         env={**os.environ, "ASTRAFLOW_RUN_DIR": str(run_dir)})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(";")[0]
 
 
 def launch_cli(*args: str) -> str:

@@ -1,8 +1,10 @@
-"""The Slurm path on a real local cluster: the heterogeneous job, a killed rollout rank,
-scale-out and scancel of rollout arrays, drain, preemption warning and requeue.
+"""The Slurm path on a real local cluster: the heterogeneous job, a killed rollout rank, a
+trainer group that loses a rank, scale-out and scancel of rollout arrays, drain, preemption
+warning and requeue.
 
-Each test is a real run (`astraflow-launch` → sbatch → srun → MPI start-up → supervised
-components) on the quickstart task with the hf engine and short settings.
+Each test is a real run (the checked-in script with sbatch, or `astraflow-launch` → sbatch →
+srun → MPI start-up → supervised components) on the quickstart task with the hf engine and
+short settings.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 
 from astraflow.store.reader import load_rows
 from tests.slurm.conftest import (acknowledged_commits, events, in_queue, kill_tree, launch, launch_cli, node_pids,
-                                  status, summary, trainer_step, wait_for)
+                                  sbatch_by_hand, status, summary, trainer_step, wait_for)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -30,7 +32,9 @@ def assert_each_task_stored_once(run_dir: Path) -> None:
 def test_hetjob_runs_on_its_partitions_and_survives_a_killed_rollout_rank(tmp_path: Path, cancel_jobs):
     run_dir = tmp_path / "het run"  # a space in the path, as users' paths have
     cancel_jobs(run_dir)
-    job = launch(run_dir, "trainer.steps=40", "rollout.workers=2")
+    # the checked-in script by hand, two rollout tasks by sbatch's per-component options
+    job = sbatch_by_hand(run_dir, "trainer.steps=40", "rollout.workers=2",
+                         per_component=(f"--output={run_dir.parent}/slurm-%j.out", ":", ":", "--ntasks=2"))
     wait_for("both rollout ranks registered and training under way",
              lambda: len(events(run_dir, "register")) >= 2 and trainer_step(run_dir) >= 5, 120, run_dir)
 
@@ -57,7 +61,29 @@ def test_hetjob_runs_on_its_partitions_and_survives_a_killed_rollout_rank(tmp_pa
     assert_each_task_stored_once(run_dir)
     # the surviving worker committed after the kill: the run finished on its work
     assert acknowledged_commits(run_dir, f"{job}.2") > 0
-    assert "Killed" in (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert "Killed" in (run_dir.parent / f"slurm-{job}.out").read_text()
+
+
+def test_a_trainer_group_that_loses_a_rank_restarts_as_a_whole(tmp_path: Path, cancel_jobs):
+    run_dir = tmp_path / "ddp"
+    cancel_jobs(run_dir)
+    job = launch(run_dir, "trainer.steps=30", "trainer.world=2", "trainer.checkpoint_every=5")
+    wait_for("the two-rank trainer under way", lambda: trainer_step(run_dir) >= 6, 150, run_dir)
+    record = json.loads((run_dir / "rendezvous" / f"job-{job}.json").read_text())
+    assert [t["role"] for t in record["tasks"]].count("trainer") == 2
+
+    # SIGKILL the trainer process of rank 1 (step task 2); its supervisor and rank 0's restart
+    # the group under a new generation, and both resume from the last checkpoint
+    rank1 = [p for p in node_pids(run_dir, procid=2)][1:]
+    assert rank1, "trainer rank 1 not found"
+    kill_tree(rank1)
+    wait_for("the run to finish", lambda: not in_queue(job), 240, run_dir)
+
+    assert summary(run_dir)["steps"] == 30
+    ready = events(run_dir, "ready")
+    assert len(ready) >= 2 and all(e["world"] == 2 for e in ready) and ready[-1]["resume_step"] >= 5
+    generations = sorted((run_dir / "rendezvous").glob("torch-policy-*.gen*"))
+    assert generations, "the group's generation never moved"
 
 
 def test_scale_out_then_scancel_and_drain_lose_nothing(tmp_path: Path, cancel_jobs):
