@@ -55,6 +55,8 @@ SlurmctldHost=$HOST(127.0.0.1)
 SlurmctldPort=16817
 SlurmUser=root
 AuthType=auth/munge
+# a requeued job waits cred_expire seconds before it may start again (default 120)
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres

@@ -23,6 +23,12 @@ from tests.slurm.conftest import (acknowledged_commits, events, in_queue, kill_t
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
 GROUP = 8  # tasks.group_size of the quickstart
+CRED_EXPIRE_S = 10  # AuthInfo=cred_expire of tools/local-slurm.sh
+
+
+def running(job: str) -> bool:
+    states = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.split()
+    return bool(states) and all(s == "RUNNING" for s in states)
 
 
 def assert_each_task_stored_once(run_dir: Path) -> None:
@@ -168,8 +174,11 @@ def test_preemption_warning_then_requeue_resumes_the_run(tmp_path: Path, cancel_
 
     # the scheduler requeues it (a preemption); the same job id, so the same run directory
     subprocess.run(["scontrol", "requeue", job], check=True)
-    wait_for("the job pending again", lambda: in_queue(job), 30, run_dir)
-    subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)  # skip requeue's hold
+    # Slurm holds a requeued job for a minute; it may safely start once the old job's
+    # credentials have expired (the local cluster's cred_expire: 10 s), so lift the hold then
+    time.sleep(CRED_EXPIRE_S + 2)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)
+    wait_for("the requeued job running", lambda: running(job), 60, run_dir)
     wait_for("the requeued run to finish", lambda: (run_dir / "summary.json").exists() and not in_queue(job), 240, run_dir)
 
     ready = events(run_dir, "ready")
