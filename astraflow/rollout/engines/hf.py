@@ -1,6 +1,11 @@
-"""The `hf` engine: transformers `generate`, batched across concurrent episodes (the light
-fallback engine). Logprobs come from the raw logits of each sampled step (`output_logits`),
-scaled by the temperature exactly as sampling did.
+"""The `hf` engine: a transformers model with its own sampling loop, batched across
+concurrent episodes (the light fallback engine).
+
+The loop (prefill with a KV cache, then one token per step; temperature, no top-k/top-p) is
+what `generate` does for these settings, without its per-call set-up: 14 vs 17 ms for a
+batch of 128 quickstart prompts of 3 tokens on the tiny model.
+Logprobs are log_softmax(logits / T) of the sampled token: the distribution sampled from.
+Prompts are left-padded; positions count only real tokens, as the trainer's forward does.
 """
 from __future__ import annotations
 
@@ -39,14 +44,25 @@ class HFEngine(BatchingEngine):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         greedy = params.temperature <= 0
-        out = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=params.max_tokens, do_sample=not greedy,
-            temperature=None if greedy else params.temperature, top_k=0, top_p=1.0,
-            eos_token_id=eos, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
-        new = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1).float()  # (batch, steps, vocab)
-        scale = 1.0 if greedy else params.temperature
-        lp = torch.log_softmax(logits / scale, dim=-1).gather(-1, new[:, : logits.shape[1], None]).squeeze(-1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        done = torch.zeros(len(prompts), dtype=torch.bool)
+        steps, logps = [], []
+        for step in range(params.max_tokens):
+            logp = torch.log_softmax(out.logits[:, -1].float() / (1.0 if greedy else params.temperature), dim=-1)
+            token = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]
+            token = token.masked_fill(done, pad)
+            steps.append(token)
+            logps.append(logp.gather(-1, token[:, None])[:, 0])
+            done |= token == eos
+            if done.all() or step == params.max_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
+                             past_key_values=out.past_key_values, use_cache=True)
+        new = torch.stack(steps, dim=1)
+        lp = torch.stack(logps, dim=1)
         results = []
         for i in range(len(prompts)):
             row = new[i].numpy()
