@@ -6,7 +6,9 @@ over policies). Above `grow_above` it submits a rollout array of `step` tasks; b
 `shrink_below` it drains `step` array workers (newest first) and cancels their tasks.
 Bounds: the array workers present (queued or running, per squeue) stay within
 [min_workers, max_workers]. Hysteresis: the gap between the thresholds, and a cooldown
-after every action during which no decision is taken — so never the opposite one.
+after every action during which no decision is taken — so never the opposite one. An array
+that left the queue without any worker registering (a bad partition, a broken environment)
+doubles the cooldown, per failure in a row, rather than being resubmitted at full rate.
 
 It acts (it does not only advise) through the same command a user has, `astraflow-launch
 scale RUN_DIR --add/--remove N`, in a child process. Every decision is written with its inputs to `RUN_DIR/logs/elastic.jsonl`.
@@ -23,15 +25,16 @@ import time
 
 from astraflow.config.rundir import RunDir
 from astraflow.launch import components
+from astraflow.slurm import jobs
 from astraflow.slurm.scale import queued_array_tasks
 
 log = logging.getLogger(__name__)
 
 
-def decide(wait: float, workers: int, cfg, since_last_s: float) -> tuple[str, int]:
+def decide(wait: float, workers: int, cfg, since_last_s: float, cooldown_s: float) -> tuple[str, int]:
     """(action, n) for one look: "grow"/"shrink" n workers, or "hold" (n = 0), with the reason
     folded into the action name for the log: hold:cooldown, hold:bounds, hold:band."""
-    if since_last_s < cfg.cooldown_s:
+    if since_last_s < cooldown_s:
         return "hold:cooldown", 0
     if workers < cfg.min_workers:
         return "grow", cfg.min_workers - workers
@@ -44,6 +47,17 @@ def decide(wait: float, workers: int, cfg, since_last_s: float) -> tuple[str, in
         n = min(cfg.step, workers - cfg.min_workers)
         return ("shrink", n) if n > 0 else ("hold:bounds", 0)
     return "hold:band", 0
+
+
+def failed_in_a_row(arrays: list[dict], present: set[str], registered: set[str]) -> int:
+    """How many of the newest controller arrays ended without a worker ever registering."""
+    failed = 0
+    for a in reversed([a for a in arrays if a["reason"].startswith("elastic")]):
+        prefix = f"{a['job_id']}_"
+        if a["cancelled"] or any(b.startswith(prefix) for b in present | registered):
+            break
+        failed += 1
+    return failed
 
 
 class ElasticController(threading.Thread):
@@ -77,10 +91,14 @@ class ElasticController(threading.Thread):
         waits = {p: v["trainer_wait_fraction"] for p, v in status["policies"].items()}
         wait = max(waits.values())
         present = queued_array_tasks(self.rundir)
-        action, n = decide(wait, len(present), self.cfg, time.monotonic() - self.last_action)
+        failed = failed_in_a_row(jobs.load(self.rundir.path)["arrays"], set(present),
+                                 {w["base"] for w in status["workers"]["list"]})
+        cooldown = self.cfg.cooldown_s * 2 ** failed
+        action, n = decide(wait, len(present), self.cfg, time.monotonic() - self.last_action, cooldown)
         entry = {"time": time.time(), "action": action, "n": n, "wait_fraction": wait, "waits": waits,
                  "array_workers": len(present), "min": self.cfg.min_workers, "max": self.cfg.max_workers,
-                 "thresholds": [self.cfg.shrink_below, self.cfg.grow_above], "cooldown_s": self.cfg.cooldown_s}
+                 "thresholds": [self.cfg.shrink_below, self.cfg.grow_above], "cooldown_s": cooldown,
+                 "failed_arrays": failed}
         if action == "grow":
             out = self.scale("--add", str(n), "--partition", self.partition,
                              "--reason", f"elastic: wait {wait:.2f} > {self.cfg.grow_above}")
