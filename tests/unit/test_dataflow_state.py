@@ -191,3 +191,20 @@ def test_quarantined_shard_tasks_are_handed_out_again(tmp_path):
     again = [t.task_id for t in state.handle(m.Lease(w, 1)).tasks]
     assert again == [tasks[1].task_id]  # the lost commit's task comes back first
     state.close()
+
+
+def test_drained_worker_is_told_to_retire_and_leaving_hands_everything_back(env):
+    run, state, clock = env
+    a, b = register(state, "a"), register(state, "b")
+    held = [t.task_id for t in state.handle(m.Lease(a, 2)).tasks]
+    state.handle(m.Drain(["a"]))
+    reply = state.handle(m.Lease(a, 2))
+    assert (reply.tasks, reply.reason) == ([], "retire")
+    assert state.handle(m.Lease(b, 1)).tasks  # others are unaffected
+    # leaving without naming its leases still hands them all back, and at once
+    state.handle(m.Release(a, [], leaving=True))
+    worker = state.workers.workers[a]
+    assert not worker.alive and not any(lease.worker == a for lease in state.tasks.leased.values())
+    assert set(held) <= set(state.tasks.queued)
+    listed = {w["base"]: w for w in state.handle(m.Status()).status["workers"]["list"]}
+    assert listed["a"]["draining"] and not listed["b"]["draining"]
