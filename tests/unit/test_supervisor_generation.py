@@ -19,6 +19,7 @@ def test_a_failed_rank_restarts_its_peer_under_the_next_generation(tmp_path: Pat
     gen_dir = tmp_path / "rendezvous"
     gen_dir.mkdir()
     starts = tmp_path / "starts"
+    starts.touch()
     # rank 0 fails once (at generation 0); rank 1 is healthy and keeps running
     fails_once = f'echo "r0 $ASTRAFLOW_START" >> {starts}; [ "$ASTRAFLOW_START" = 0 ] && exit 3; sleep 30'
     healthy = f'echo "r1 $ASTRAFLOW_START" >> {starts}; sleep 30'
