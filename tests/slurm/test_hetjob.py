@@ -185,3 +185,16 @@ def test_preemption_warning_then_requeue_resumes_the_run(tmp_path: Path, cancel_
     assert [e["resume_step"] for e in ready][0] == 0 and ready[-1]["resume_step"] == warned_at
     assert summary(run_dir)["steps"] == 80
     assert_each_task_stored_once(run_dir)
+
+
+def test_a_job_shaped_unlike_its_config_stops_at_once_saying_why(tmp_path: Path, cancel_jobs):
+    run_dir = tmp_path / "misfit"
+    cancel_jobs(run_dir)
+    out = run_dir.parent / "misfit.out"
+    # the checked-in script has one trainer task; this config wants two trainer ranks
+    job = sbatch_by_hand(run_dir, "trainer.world=2", per_component=(f"--output={out}",))
+    wait_for("the job to end", lambda: not in_queue(job), 60)
+    log = out.read_text()
+    assert "het group 1 has 1 tasks; the config needs trainer.world × policies = 2 × 1" in log
+    assert log.count("start-up failed on the dataflow task") == 3  # every task heard it, none hung
+    assert not (run_dir / "summary.json").exists()
