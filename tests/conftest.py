@@ -92,6 +92,20 @@ def register(c: Client, worker_id: str = "w0", policies: tuple[str, ...] = ("pol
     return reply.worker_id
 
 
+def component_pids(run_dir: Path, role: str) -> list[int]:
+    """Pids of a run's `astraflow <role>` processes (dataflow, train, rollout, node), from /proc."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"astraflow.cli.main" in cmd and role.encode() in cmd and str(run_dir).encode() in cmd:
+                pids.append(int(d.name))
+    return pids
+
+
 def require(module: str):
     """Import an optional heavy dependency; under CI (CI=true) its absence is a failure, not a skip."""
     if os.environ.get("CI") == "true":

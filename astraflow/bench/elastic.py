@@ -20,7 +20,7 @@ from astraflow.config.rundir import RunDir
 from astraflow.launch import components
 from astraflow.slurm import jobs, scale
 from astraflow.slurm.arrays import submit_rollout_array
-from astraflow.slurm.render import JobShape, render_hetjob
+from astraflow.slurm.render import JobShape
 from astraflow.slurm.site import load_site
 from astraflow.store.journal import replay
 from astraflow.store.reader import load_rows
@@ -52,13 +52,7 @@ def run_bench(config: str, partitions: list[str], array_partition: str, engine: 
     site = load_site("local")
     run = RunDir.create(Path(tempfile.mkdtemp(prefix="astraflow-bench-elastic-")) / "run", config,
                         ["trainer.steps=100000", "warmup.steps=5", f"engine.kind={engine}", "rollout.workers=1"])
-    script = run.path / "slurm" / "astraflow_het.sbatch"
-    script.parent.mkdir(mode=0o700, exist_ok=True)
-    shape = JobShape.of(run.config, site, partitions)
-    script.write_text(render_hetjob(shape, site, str(run.path / "config.yaml"), sys.executable,
-                                    run_dir=str(run.path), output=str(run.path / "logs" / "slurm-%j.out")))
-    job = jobs.sbatch(script)
-    jobs.add_hetjob(run.path, job, list(shape.partitions))
+    jobs.submit_hetjob(run, JobShape.of(run.config, site, partitions), site, sys.executable)
     samples = []
     try:
         _wait("training", lambda: (run.path / "metrics" / "policy.csv").exists(), 300)

@@ -44,14 +44,10 @@ def _submit(args: argparse.Namespace) -> int:
                           output=str(Path(run_dir) / "logs" / "slurm-%j.out")))
         return 0
     run = RunDir.create_or_open(run_dir, args.config, args.set)
-    script = run.path / "slurm" / "astraflow_het.sbatch"
-    script.parent.mkdir(mode=0o700, exist_ok=True)
     if args.site:  # the elastic controller inside the job submits arrays with the same profile
+        (run.path / "slurm").mkdir(mode=0o700, exist_ok=True)
         shutil.copyfile(site_path(args.site), run.path / "slurm" / "site.yaml")
-    script.write_text(render_hetjob(shape, site, str(run.path / "config.yaml"), python, run_dir=str(run.path),
-                                    output=str(run.path / "logs" / "slurm-%j.out")))
-    job_id = jobs.sbatch(script)
-    jobs.add_hetjob(run.path, job_id, list(shape.partitions))
+    job_id = jobs.submit_hetjob(run, shape, site, python)
     print(f"submitted job {job_id}; run directory {run.path}", flush=True)
     return 0 if args.detach else _follow(run, job_id)
 

@@ -32,23 +32,23 @@ def prepare(run: RunDir) -> None:
         raise SystemExit(f"model preparation failed; see {log}")
 
 
-def dataflow(run: RunDir, local: bool, env: dict[str, str] | None = None) -> Component:
+def dataflow(run: RunDir, local: bool) -> Component:
     cmd = cli("dataflow", "--run-dir", str(run.path), *(["--local"] if local else []))
-    return Component("dataflow", [cmd], run.path / "logs", env=[env or {}])
+    return Component("dataflow", [cmd], run.path / "logs")
 
 
-def trainer(run: RunDir, policy: str, ranks: list[int], world: int, env: dict[str, str],
+def trainer(run: RunDir, policy: str, ranks: list[int], world: int,
             generation: GroupGeneration | None = None) -> Component:
     """The ranks of `policy`'s trainer group that this supervisor runs (all of them locally)."""
     cmd = cli("train", "--run-dir", str(run.path), "--policy", policy)
     name = f"trainer-{policy}" + (f"-r{ranks[0]}" if len(ranks) < world else "")
-    envs = [{**env, "ASTRAFLOW_RANK": str(r), "ASTRAFLOW_WORLD": str(world)} for r in ranks]
+    envs = [{"ASTRAFLOW_RANK": str(r), "ASTRAFLOW_WORLD": str(world)} for r in ranks]
     return Component(name, [cmd] * len(ranks), run.path / "logs", env=envs, generation=generation)
 
 
-def rollout(run: RunDir, name: str, worker_id: str, env: dict[str, str] | None = None) -> Component:
+def rollout(run: RunDir, name: str, worker_id: str) -> Component:
     cmd = cli("rollout", "--run-dir", str(run.path), "--worker-id", worker_id)
-    return Component(name, [cmd], run.path / "logs", env=[env or {}])
+    return Component(name, [cmd], run.path / "logs")
 
 
 def dataflow_status(run: RunDir, timeout_s: float = 10.0) -> dict:

@@ -42,7 +42,7 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     try:
         sup.add(components.dataflow(run, local=True))
         wait_rendezvous(run.path, timeout_s=60, newer_than=t_components)
-        trainers = [sup.add(components.trainer(run, p, list(range(cfg.trainer.world)), cfg.trainer.world, {})).name
+        trainers = [sup.add(components.trainer(run, p, list(range(cfg.trainer.world)), cfg.trainer.world)).name
                     for p in cfg.policy_names]
         for i in range(cfg.rollout.workers):
             sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}"))

@@ -20,18 +20,23 @@ from astraflow.slurm.site import SiteProfile
 from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
 
 
-def rollout_array_task(run_dir: str) -> int:
-    """What one array task runs (in the submitit job process on the compute node)."""
-    run = RunDir.open(run_dir)
-    # a single task is submitted as a plain job (submitit): it is task 0 of its "array"
-    worker_id = rollout_worker_id() if "SLURM_ARRAY_JOB_ID" in os.environ else f"{os.environ['SLURM_JOB_ID']}_0"
-    os.environ["ASTRAFLOW_PARTITION"] = partition()
+def supervise_rollout(run: RunDir, worker_id: str) -> bool:
+    """Run one rollout worker, restarted when it crashes, until it leaves (drained, no tasks
+    left), the run is finished, or a signal comes (then False)."""
     sup = Supervisor(run.config.launcher.max_restarts, run.config.launcher.backoff_s)
     comp = sup.add(components.rollout(run, f"rollout-{worker_id}", worker_id))
     try:
-        Watch(sup).until(lambda finished: comp.name in finished or components.finished_marker(run.path).exists())
+        return Watch(sup).until(lambda finished: comp.name in finished or components.finished_marker(run.path).exists())
     finally:
         sup.stop(timeout_s=STOP_TIMEOUT_S)
+
+
+def rollout_array_task(run_dir: str) -> int:
+    """What one array task runs (in the submitit job process on the compute node)."""
+    # a single task is submitted as a plain job (submitit): it is task 0 of its "array"
+    worker_id = rollout_worker_id() if "SLURM_ARRAY_JOB_ID" in os.environ else f"{os.environ['SLURM_JOB_ID']}_0"
+    os.environ["ASTRAFLOW_PARTITION"] = partition()
+    supervise_rollout(RunDir.open(run_dir), worker_id)
     return 0
 
 

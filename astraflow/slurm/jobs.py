@@ -15,7 +15,12 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from astraflow.config.rundir import RunDir
+    from astraflow.slurm.render import JobShape
+    from astraflow.slurm.site import SiteProfile
 
 
 class SlurmError(RuntimeError):
@@ -106,9 +111,18 @@ def updating(run_path: Path) -> Iterator[dict]:
         os.replace(tmp, path)
 
 
-def add_hetjob(run_path: Path, job_id: str, partitions: list[str]) -> None:
-    with updating(run_path) as rec:
-        rec["hetjobs"].append({"job_id": job_id, "partitions": partitions, "submitted": time.time()})
+def submit_hetjob(run: "RunDir", shape: "JobShape", site: "SiteProfile", python: str) -> str:
+    """Render the run's heterogeneous job into RUN_DIR/slurm/, submit and record it; its id."""
+    from astraflow.slurm.render import render_hetjob
+
+    script = run.path / "slurm" / "astraflow_het.sbatch"
+    script.parent.mkdir(mode=0o700, exist_ok=True)
+    script.write_text(render_hetjob(shape, site, str(run.path / "config.yaml"), python, run_dir=str(run.path),
+                                    output=str(run.path / "logs" / "slurm-%j.out")))
+    job_id = sbatch(script)
+    with updating(run.path) as rec:
+        rec["hetjobs"].append({"job_id": job_id, "partitions": list(shape.partitions), "submitted": time.time()})
+    return job_id
 
 
 def add_array(run_path: Path, job_id: str, tasks: int, partition: str, reason: str) -> None:

@@ -26,6 +26,7 @@ from astraflow.launch import components
 from astraflow.launch.summary import write_summary
 from astraflow.launch.supervisor import EXIT_STOPPED, ComponentFailed, GroupGeneration, Supervisor
 from astraflow.protocol.client import wait_rendezvous
+from astraflow.slurm.arrays import supervise_rollout
 from astraflow.slurm.bootstrap import bootstrap
 from astraflow.slurm.elastic import ElasticController
 from astraflow.slurm.env import SlurmTask, current_task
@@ -49,6 +50,7 @@ class Node:
     def run(self) -> int:
         me = {"procid": self.task.procid, "group": self.task.het_group, "role": self.task.role,
               "partition": self.task.partition, "node": self.task.node}
+        os.environ["ASTRAFLOW_PARTITION"] = self.task.partition  # what the components report
         self.peers, info = bootstrap(me, self.lead)
         if "error" in info:
             log.error("start-up failed on the dataflow task: %s", info["error"])
@@ -57,7 +59,6 @@ class Node:
             log.info("run %s is already finished", info["run_dir"])
             return 0
         os.environ["ASTRAFLOW_SESSION"] = info["session"]
-        os.environ["ASTRAFLOW_PARTITION"] = self.task.partition
         run = RunDir.open(info["run_dir"])
         role = {"dataflow": self.dataflow_task, "trainer": self.trainer_task, "rollout": self.rollout_task}
         try:
@@ -87,7 +88,7 @@ class Node:
             components.prepare(run)
             self.sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
             t0 = time.time()
-            self.sup.add(components.dataflow(run, local=False, env={"ASTRAFLOW_PARTITION": self.task.partition}))
+            self.sup.add(components.dataflow(run, local=False))
             wait_rendezvous(run.path, timeout_s=120, newer_than=t0)
         return {"run_dir": str(run.path.resolve()), "session": session, "finished": finished}
 
@@ -147,23 +148,16 @@ class Node:
         rank = self.task.group_rank % world
         self.sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
         generation = GroupGeneration(run.path / "rendezvous", f"torch-{policy}-{os.environ['ASTRAFLOW_SESSION']}")
-        comp = self.sup.add(components.trainer(run, policy, [rank], world, {}, generation if world > 1 else None))
-        return 0 if self.supervise(lambda finished: comp.name in finished or self._finished(run)) else EXIT_STOPPED
+        comp = self.sup.add(components.trainer(run, policy, [rank], world, generation if world > 1 else None))
+        marker = components.finished_marker(run.path)
+        return 0 if self.supervise(lambda finished: comp.name in finished or marker.exists()) else EXIT_STOPPED
 
     def rollout_task(self, run: RunDir) -> int:
-        cfg = run.config
-        self.sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
-        worker_id = f"{self.task.job_id}.{self.task.procid}"
-        self.sup.add(components.rollout(run, f"rollout-{worker_id}", worker_id))
-        return 0 if self.supervise(lambda _: self._finished(run)) else EXIT_STOPPED
+        return 0 if supervise_rollout(run, f"{self.task.job_id}.{self.task.procid}") else EXIT_STOPPED
 
     def supervise(self, done) -> bool:
         self.watch = Watch(self.sup)
         return self.watch.until(done)
-
-    @staticmethod
-    def _finished(run: RunDir) -> bool:
-        return components.finished_marker(run.path).exists()
 
 
 def run_node(config: str | None, run_dir: str, overrides: list[str]) -> int:

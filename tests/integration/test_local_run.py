@@ -16,7 +16,7 @@ import pytest
 from astraflow.analysis.plot import plot_run
 from astraflow.store.journal import replay
 from astraflow.store.reader import ShardReader, iter_shards, load_rows
-from tests.conftest import REPO
+from tests.conftest import REPO, component_pids
 
 pytestmark = pytest.mark.integration
 
@@ -35,19 +35,6 @@ def parity_prompts(path: Path) -> Path:
     path.write_text("".join(json.dumps({"prompt": f"{a}?", "answer": str(a % 2)}) + "\n"
                             for a in rng.choice(1000, 800, replace=False)))
     return path
-
-
-def component_pids(run_dir: Path, role: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"astraflow.cli.main" in cmd and role.encode() in cmd and str(run_dir).encode() in cmd:
-                pids.append(int(d.name))
-    return pids
 
 
 def metric_rows(run_dir: Path) -> list[dict]:

@@ -121,18 +121,6 @@ def node_pids(run_dir: Path, procid: int) -> list[int]:
     return pids
 
 
-def component_pid(run_dir: Path, role: str) -> int:
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"astraflow.cli.main" in cmd and role.encode() in cmd and str(run_dir).encode() in b" ".join(cmd):
-                return int(d.name)
-    raise AssertionError(f"no {role} process for {run_dir}")
-
-
 def acknowledged_commits(run_dir: Path, worker_base: str) -> int:
     """The worker's own ledger: 'commits acknowledged: N' at each exit of its log."""
     text = (run_dir / "logs" / f"rollout-{worker_base}.log").read_text()

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from astraflow.slurm import jobs
-from tests.slurm.conftest import component_pid, events, launch, wait_for
+from tests.conftest import component_pids
+from tests.slurm.conftest import events, launch, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -42,7 +43,7 @@ def test_controller_grows_for_a_hungry_trainer_and_shrinks_for_a_throttled_one(t
              lambda: any(e["base"].startswith(f"{grown['job_id']}_") for e in events(run_dir, "register")), 60, run_dir)
 
     # throttle the trainer: it stops asking for batches, its wait fraction falls to zero
-    trainer = component_pid(run_dir, "train")
+    (trainer,) = component_pids(run_dir, "train")
     os.kill(trainer, signal.SIGSTOP)
     try:
         wait_for("the controller to shrink the pool",
