@@ -7,7 +7,8 @@ its role's component, restarting it with backoff like the local launcher does:
   the run, evaluates and writes `summary.json`, and runs the elastic controller);
 - het group 1: one trainer rank per task, `trainer.world` consecutive tasks per policy; the
   ranks of a group restart together through a `GroupGeneration` in `rendezvous/`;
-- het group 2: one rollout worker per task, id `<job>.<procid>`.
+- het group 2: one rollout worker per task, id `<job>.<procid>`, supervised like an array
+  task's (`arrays.supervise_rollout`).
 The run is over when every trainer has done its steps: the dataflow task writes
 `rendezvous/finished` and every task stops. SIGUSR1 (Slurm's warning before preemption or
 the time limit) and SIGTERM are forwarded to the components — trainers checkpoint, workers
