@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from astraflow.config.loader import ConfigError
 
@@ -48,24 +49,35 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    """Build the run's model (and warm it up) once; a no-op when it exists or is configured."""
+    """Build the run's model once, then each policy's starting point: the model warmed up for
+    the policy's role. A no-op for what exists already."""
+    import shutil
+
     from astraflow.config.rundir import RunDir
-    from astraflow.models import base_model_dir
+    from astraflow.models import base_model_dir, policy_model_dir
     from astraflow.models.factory import make_model
     from astraflow.tasks.sources import TaskSource
     from astraflow.trainer.warmup import warm_up
 
     run = RunDir.open(args.run_dir)
     cfg = run.config
-    target = base_model_dir(run.path, cfg.model.path)
-    if cfg.model.path or (target / "config.json").exists():
-        return 0
-    source = TaskSource(cfg.tasks)
-    corpus = [i.prompt + i.answer for i in source.train + source.heldout + source.warmup]
-    tmp = run.path / "model.tmp"
-    make_model(cfg.model.arch, cfg.model.size, tmp, seed=cfg.model.seed, corpus=corpus)
-    warm_up(tmp, cfg)
-    tmp.rename(target)
+    base = base_model_dir(run.path, cfg.model.path)
+    if not (base / "config.json").exists():
+        source = TaskSource(cfg.tasks)
+        corpus = [i.prompt + i.answer for i in source.train + source.heldout + source.warmup]
+        tmp = run.path / "model.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_model(cfg.model.arch, cfg.model.size, tmp, seed=cfg.model.seed, corpus=corpus)
+        tmp.rename(base)
+    for policy in cfg.policies:
+        target = policy_model_dir(run.path, cfg, policy.name)
+        if target == base or (target / "config.json").exists():
+            continue
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(base, tmp)
+        warm_up(tmp, cfg, policy.role)
+        tmp.rename(target)
     return 0
 
 
@@ -85,19 +97,10 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from astraflow.config.rundir import RunDir
-    from astraflow.models import base_model_dir
-    from astraflow.rollout.evaluate import evaluate
+    from astraflow.rollout.evaluate import evaluate_run
 
-    run = RunDir.open(args.run_dir)
-    base = base_model_dir(run.path, run.config.model.path)
-    out = {"eval_accuracy_base": evaluate(base, None, run.config)}
-    for policy in run.config.policy_names:
-        versions = sorted((run.path / "weights" / policy).glob("v*"), key=lambda p: int(p.name[1:]))
-        if versions:
-            out[f"eval_accuracy_{policy}"] = evaluate(base, versions[-1], run.config)
-            out.setdefault("eval_accuracy", out[f"eval_accuracy_{policy}"])
-            out.setdefault("eval_version", int(versions[-1].name[1:]))
-    (run.path / "eval.json").write_text(json.dumps(out, indent=2))  # engines may print to stdout
+    out = evaluate_run(RunDir.open(args.run_dir))
+    (Path(args.run_dir) / "eval.json").write_text(json.dumps(out, indent=2))  # engines may print to stdout
     print(json.dumps(out))
     return 0
 
@@ -133,6 +136,20 @@ def _bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_multipolicy(args: argparse.Namespace) -> int:
+    from astraflow.bench.multipolicy import run_bench
+
+    result = run_bench(args.config, args.steps, args.set, zero_latency=not args.no_zero_latency)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def _env_server(args: argparse.Namespace) -> int:
+    from astraflow.environments.server import main as serve
+
+    return serve(args)
+
+
 def _node(args: argparse.Namespace) -> int:
     from astraflow.slurm.node import run_node
 
@@ -143,6 +160,15 @@ def _status(args: argparse.Namespace) -> int:
     from astraflow.slurm.status import print_status
 
     return print_status(args.run_dir, args.json)
+
+
+def env_server_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0: any free port (printed on the first stdout line)")
+    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--latency-median-s", type=float, default=0.0, help="per step, lognormal")
+    p.add_argument("--latency-p99-s", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -204,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True)
     p.set_defaults(fn=_eval)
 
+    p = sub.add_parser("env-server", help="serve the built-in text environment over HTTP (agentic workflows)")
+    env_server_arguments(p)
+    p.set_defaults(fn=_env_server)
+
     p = sub.add_parser("inspect", help="summarise a run's HDF5 trajectory shards (works on a live run)")
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true")
@@ -240,6 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_elastic)
+
+    b = bsub.add_parser("multipolicy", help="seconds per iteration of co-training, async against sync schedule")
+    b.add_argument("--config", default="configs/multi_policy.yaml")
+    b.add_argument("--steps", type=int, default=20, help="updates per policy in each mode")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for both modes")
+    b.add_argument("--no-zero-latency", action="store_true", help="skip the pair of runs with env latency 0")
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.set_defaults(fn=_bench_multipolicy)
     return parser
 
 

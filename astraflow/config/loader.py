@@ -16,7 +16,7 @@ from typing import Any, Iterable, TypeVar
 
 import yaml
 
-from astraflow.config.schema import Config
+from astraflow.config.schema import WORKFLOW_ROLES, Config
 
 T = TypeVar("T")
 
@@ -105,6 +105,8 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         seen.add(p.name)
     if len(cfg.policies) > 127:
         raise ConfigError(f"{where.at('policies')}: policies: at most 127 policies")
+    _check_roles(cfg, where)
+    _check_pools(cfg, where)
     if cfg.tasks.kind == "jsonl" and not cfg.tasks.path:
         raise ConfigError(f"{where.at('tasks')}: tasks.path: required when tasks.kind is 'jsonl'")
     e = cfg.elastic
@@ -114,6 +116,35 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('elastic')}: elastic: expected 0 <= shrink_below < grow_above <= 1")
     if cfg.tasks.group_size < 1:
         raise ConfigError(f"{where.at('tasks.group_size')}: tasks.group_size: expected >= 1")
+
+
+def _check_roles(cfg: Config, where: _Where) -> None:
+    needed = WORKFLOW_ROLES[cfg.tasks.workflow]
+    for i, p in enumerate(cfg.policies):
+        if p.role not in needed:
+            raise ConfigError(f"{where.at(f'policies.{i}.role')}: policies.{i}.role: {p.role!r} is not a role of "
+                              f"workflow {cfg.tasks.workflow!r}; expected one of {list(needed)}")
+    for role in needed:
+        players = [p.name for p in cfg.policies if p.role == role]
+        if len(players) != 1:
+            raise ConfigError(f"{where.at('policies')}: policies: workflow {cfg.tasks.workflow!r} needs exactly one "
+                              f"policy with role {role!r}, found {players or 'none'}")
+
+
+def _check_pools(cfg: Config, where: _Where) -> None:
+    pools = cfg.rollout.pools
+    for i, pool in enumerate(pools):
+        unknown = [p for p in pool.policies if p not in cfg.policy_names]
+        if unknown or not pool.policies or pool.workers < 1:
+            raise ConfigError(f"{where.at(f'rollout.pools.{i}')}: rollout.pools.{i}: expected workers >= 1 and "
+                              f"policies among {list(cfg.policy_names)}, got workers={pool.workers}, "
+                              f"policies={list(pool.policies)}")
+    if pools and sum(p.workers for p in pools) != cfg.rollout.workers:
+        raise ConfigError(f"{where.at('rollout.pools')}: rollout.pools: the pools' workers add up to "
+                          f"{sum(p.workers for p in pools)}, rollout.workers is {cfg.rollout.workers}")
+    if not any(set(cfg.task_policies) <= set(cfg.worker_policies(i)) for i in range(cfg.rollout.workers)):
+        raise ConfigError(f"{where.at('rollout.pools')}: rollout.pools: no worker hosts every policy an episode "
+                          f"needs ({list(cfg.task_policies)}), so no task could ever be handed out")
 
 
 def _record_lines(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:

@@ -12,7 +12,7 @@ Invariants:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -57,6 +57,15 @@ class StoreConfig:
     fsync: bool = False
 
 
+# The roles each workflow's episodes need, one policy per role (`PolicyConfig.role`).
+WORKFLOW_ROLES: dict[str, tuple[str, ...]] = {
+    "rlvr": ("policy",),
+    "solver_verifier": ("solver", "verifier"),
+    "solve_and_check": ("solver", "verifier"),
+    "multi_turn_tool": ("agent",),
+}
+
+
 @dataclass(frozen=True)
 class TaskSourceConfig:
     kind: str = choice("arithmetic", "arithmetic", "jsonl")
@@ -78,7 +87,7 @@ class TaskSourceConfig:
     group_size: int = 8
     # Stop handing out tasks after this many (0 = unlimited, cycling through the source).
     max_tasks: int = 0
-    workflow: str = choice("rlvr", "rlvr")
+    workflow: str = choice("rlvr", "rlvr", "solver_verifier", "solve_and_check", "multi_turn_tool")
     reward: str = choice("exact_match", "exact_match", "math_verify")
 
 
@@ -89,8 +98,14 @@ class PolicyConfig:
     buffer_capacity: int = runtime(4096)  # samples buffered before leases pause
     filter_zero_advantage: bool = runtime(True)
     keep_versions: int = runtime(3)  # weight retention: last K published versions
-    # Workflow role within an episode (single-policy workflows need only one).
+    # The workflow role this policy plays in an episode: rlvr needs "policy",
+    # solver_verifier and solve_and_check "solver" and "verifier", multi_turn_tool "agent".
     role: str = "policy"
+    # This policy's own trainer settings; unset ones come from the `trainer` section.
+    lr: float | None = None
+    batch_size: int | None = None
+    steps: int | None = None
+    minibatches: int | None = None
 
 
 @dataclass(frozen=True)
@@ -119,10 +134,53 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """Rollout workers that host the same policies."""
+    workers: int
+    policies: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     workers: int = 1
     concurrency: int = 16  # tasks in flight per worker
     weight_poll_s: float = runtime(0.2)
+    # Which policies each worker hosts, pool by pool (workers 0..n0-1 the first pool, ...);
+    # empty: every worker hosts every policy. The pools' workers add up to `workers`.
+    pools: tuple[PoolConfig, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkflowConfig:
+    """Parameters of the multi-policy and agentic workflows."""
+    retry: bool = False  # solver_verifier: the solver answers once more after a rejection
+    max_turns: int = 3  # multi_turn_tool: agent turns per episode
+    # multi_turn_tool: "builtin" (an environment server each worker starts on loopback) or
+    # the http:// URL of an environment server
+    environment: str = "builtin"
+    # solver_verifier: one environment round-trip per answer before the verifier judges it
+    # (where an agentic workflow would run the answer's code or query a remote tool)
+    env_check: bool = False
+    # The load that makes agentic RL slow, put onto a tiny model (0 = off). Each generation
+    # decodes L ~ lognormal(median, p99/median) tokens, capped at engine.max_tokens, past
+    # EOS; the completion is cut at its first EOS, so what is trained and rewarded is
+    # sampled from the unchanged distribution.
+    decode_len_median: int = 0
+    decode_len_p99_ratio: float = 8.0
+    # Latency of each environment step (server side), lognormal by median and p99.
+    env_latency_median_s: float = 0.0
+    env_latency_p99_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    # async: generation and training overlap, bounded by each policy's max_staleness.
+    # sync: the conventional trainer-centred loop, on the same components: generate one
+    # batch for every policy with the latest weights, then train, then push weights.
+    mode: str = choice("async", "async", "sync")
+    # Lock-step versions in async mode: no trainer starts step s+1 before every policy has
+    # finished step s.
+    barrier: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,6 +234,8 @@ class Config:
     trainer: TrainerConfig = TrainerConfig()
     launcher: LauncherConfig = LauncherConfig()
     elastic: ElasticConfig = ElasticConfig()
+    workflow: WorkflowConfig = WorkflowConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
 
     def policy(self, name: str) -> PolicyConfig:
         for p in self.policies:
@@ -186,3 +246,26 @@ class Config:
     @property
     def policy_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.policies)
+
+    def trainer_for(self, name: str) -> TrainerConfig:
+        """The trainer settings of one policy: its own where set, the `trainer` section's otherwise."""
+        p = self.policy(name)
+        own = {k: getattr(p, k) for k in ("lr", "batch_size", "steps", "minibatches") if getattr(p, k) is not None}
+        return replace(self.trainer, **own)
+
+    def worker_policies(self, index: int) -> tuple[str, ...]:
+        """The policies rollout worker `index` hosts (pools in order, then wrapping around)."""
+        if not self.rollout.pools:
+            return self.policy_names
+        slots = [pool.policies for pool in self.rollout.pools for _ in range(pool.workers)]
+        return slots[index % len(slots)]
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """role -> policy for this run's workflow (the loader checks that it is one to one)."""
+        return {p.role: p.name for p in self.policies}
+
+    @property
+    def task_policies(self) -> tuple[str, ...]:
+        """The policies every episode needs: a task goes only to a worker hosting all of them."""
+        return tuple(self.roles[r] for r in WORKFLOW_ROLES[self.tasks.workflow])

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from astraflow.config.schema import Config
+from astraflow.dataflow import schedule
 from astraflow.dataflow.buffers import CONSUMED, FILTERED, READY, PolicyBuffer, SampleInfo, group_stats
 from astraflow.dataflow.leases import TaskTable
 from astraflow.dataflow.status import WaitTracker, build_status
@@ -229,7 +230,7 @@ class DataflowState:
     def _lease(self, req: m.Lease, now: float) -> m.LeaseReply:
         worker = self._worker(req.worker_id, now)
         worker.versions = dict(req.versions)
-        needed = self.policy_names
+        needed = self.cfg.task_policies
         if worker.base in self.draining:
             return m.LeaseReply([], 0.0, "retire")
         if not set(needed) <= set(worker.policies):
@@ -240,9 +241,16 @@ class DataflowState:
                 self.counters["lease_refused_stale"] += 1
                 return m.LeaseReply([], 0.5, "stale_weights")
         group = self.cfg.tasks.group_size
+        n = max(0, req.n)
+        if self.cfg.schedule.mode == "sync":
+            quota, why = schedule.sync_quota(self, needed, req.versions)
+            if quota == 0:
+                self.counters[f"lease_{why}"] += 1
+                return m.LeaseReply([], schedule.SYNC_RETRY_S, why)
+            n = min(n, quota)
         tasks: list[m.Task] = []
         reason = ""
-        for _ in range(max(0, req.n)):
+        for _ in range(n):
             inflight = (len(self.tasks.leased) + 1) * group
             if not all(self.buffers[p].has_room(inflight) for p in needed):
                 reason = "backpressure"
@@ -373,6 +381,8 @@ class DataflowState:
         if ids is None:
             if buf.buffered < req.n and self.tasks.exhausted and not self.tasks.leased:
                 raise RequestError("exhausted", f"only {buf.buffered} samples left and no tasks remain")
+            if self.cfg.schedule.barrier and schedule.barrier_blocks(self, req.policy, req.step):
+                return None
             ids = buf.take(req.step, req.n, req.version)
             if ids is None:
                 return None

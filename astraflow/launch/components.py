@@ -46,8 +46,8 @@ def trainer(run: RunDir, policy: str, ranks: list[int], world: int,
     return Component(name, [cmd] * len(ranks), run.path / "logs", env=envs, generation=generation)
 
 
-def rollout(run: RunDir, name: str, worker_id: str) -> Component:
-    cmd = cli("rollout", "--run-dir", str(run.path), "--worker-id", worker_id)
+def rollout(run: RunDir, name: str, worker_id: str, policies: tuple[str, ...]) -> Component:
+    cmd = cli("rollout", "--run-dir", str(run.path), "--worker-id", worker_id, "--policies", *policies)
     return Component(name, [cmd], run.path / "logs")
 
 
@@ -60,8 +60,8 @@ def dataflow_status(run: RunDir, timeout_s: float = 10.0) -> dict:
 
 
 def trainers_done(run: RunDir, status: dict) -> bool:
-    steps = run.config.trainer.steps
-    return all(status["policies"][p]["trainer_step"] >= steps for p in run.config.policy_names)
+    cfg = run.config
+    return all(status["policies"][p]["trainer_step"] >= cfg.trainer_for(p).steps for p in cfg.policy_names)
 
 
 def finished_marker(run_path: Path) -> Path:

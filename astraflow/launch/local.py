@@ -45,7 +45,7 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
         trainers = [sup.add(components.trainer(run, p, list(range(cfg.trainer.world)), cfg.trainer.world)).name
                     for p in cfg.policy_names]
         for i in range(cfg.rollout.workers):
-            sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}"))
+            sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}", cfg.worker_policies(i)))
         progress = Progress(run, quiet)
         remaining = set(trainers)
         while remaining:

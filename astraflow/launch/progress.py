@@ -28,7 +28,7 @@ class Progress:
                 parts.append(f"{p}: waiting for the first batch")
                 continue
             row = rows[-1]
-            step, total = int(row["step"]), self.run.config.trainer.steps
+            step, total = int(row["step"]), self.run.config.trainer_for(p).steps
             tok_s = row["tokens"] / max(1e-9, row["wait_s"] + row["train_s"])
             parts.append(f"{p}: step {step}/{total} reward {row['reward_mean']:.2f} "
                          f"{tok_s / 1e3:.1f}k tok/s lag {row['version_lag']:.1f}")

@@ -42,6 +42,10 @@ class TextCodec:
     def encode_prompt(self, text: str) -> list[int]:
         return [self.bos_id, *self.tok.encode(text, add_special_tokens=False).ids]
 
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of text inside a sequence (tool output, separators): no BOS, no EOS."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
     def encode_completion(self, text: str) -> list[int]:
         return [*self.tok.encode(text, add_special_tokens=False).ids, self.eos_id]
 

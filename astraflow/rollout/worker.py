@@ -24,7 +24,8 @@ from typing import Any, Callable
 import numpy as np
 
 from astraflow.config.rundir import RunDir
-from astraflow.models import base_model_dir
+from astraflow.environments.client import EnvironmentClient
+from astraflow.models import policy_model_dir
 from astraflow.protocol import messages as m
 from astraflow.protocol.aclient import AsyncClient
 from astraflow.protocol.client import read_rendezvous, wait_rendezvous
@@ -33,10 +34,14 @@ from astraflow.rollout.engines import ENGINES
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.slurm.env import partition, rollout_worker_id
 from astraflow.weights.fs import path_of
-from astraflow.workflows import WORKFLOWS, EpisodeContext
+from astraflow.sandbox import Sandbox
+from astraflow.workflows import WORKFLOWS, EpisodeContext, EpisodeError
 from astraflow.workflows.rewards import REWARDS
 
 log = logging.getLogger(__name__)
+
+
+MAX_PAUSE_S = 5.0  # the longest pause in leasing after environment or tool failures
 
 
 class WorkerStopped(Exception):
@@ -52,6 +57,9 @@ class RolloutWorker:
         self.inflight: dict[int, asyncio.Task] = {}
         self.stopping = False
         self.committed = 0
+        self.episode_failures = 0
+        self.failing = 0  # episode failures in a row
+        self.pause_until = 0.0  # no leases before this (monotonic), after episode failures
         self.engine_load_s = 0.0
 
     # ------------------------------------------------------------- plumbing
@@ -81,6 +89,15 @@ class RolloutWorker:
         self.heartbeat_s = reply.heartbeat_s
         log.info("registered as %s", self.worker_id)
 
+    async def environment(self) -> EnvironmentClient | None:
+        """The workflow's environment server: the built-in one (a child process), or a URL."""
+        w = self.cfg.workflow
+        if self.cfg.tasks.workflow != "multi_turn_tool" and not w.env_check:
+            return None
+        if w.environment == "builtin":
+            return await EnvironmentClient.builtin(w, seed=self.cfg.run.seed + os.getpid())
+        return EnvironmentClient(w.environment, os.environ.get("ASTRAFLOW_ENV_TOKEN", ""))
+
     def versions(self) -> dict[str, int]:
         return {p: e.version for p, e in self.engines.items()}
 
@@ -104,26 +121,38 @@ class RolloutWorker:
             await asyncio.sleep(self.cfg.rollout.weight_poll_s)
 
     async def episode(self, task: m.Task) -> None:
-        trajs = await self.workflow(task, self.ctx)
+        try:
+            trajs = await self.workflow(task, self.ctx)
+        except EpisodeError as e:
+            # the environment or a tool failed, not this worker: the task goes back to the
+            # queue, and no new task is leased for a while (doubling while failures go on)
+            self.episode_failures += 1
+            self.failing += 1
+            self.pause_until = time.monotonic() + min(MAX_PAUSE_S, 0.25 * 2 ** min(self.failing, 8))
+            log.warning("task %d: %s; handing it back", task.task_id, e)
+            await self.rpc(lambda: m.Release(self.worker_id, [task.task_id]))
+            return
+        self.failing = 0
         batch = m.TrajectoryBatch.from_trajectories(trajs)
         await self.rpc(lambda: m.Commit(self.worker_id, task.task_id, batch, self.versions()))
         self.committed += 1
 
     async def run(self) -> None:
         cfg = self.cfg
-        model_dir = base_model_dir(self.rundir.path, cfg.model.path)
         t0 = time.perf_counter()
-        self.engines = {p: ENGINES[cfg.engine.kind](str(model_dir), max_batch=cfg.engine.max_batch,
-                                                    threads=cfg.engine.threads, seed=cfg.run.seed)
+        self.engines = {p: ENGINES[cfg.engine.kind](str(policy_model_dir(self.rundir.path, cfg, p)),
+                                                    max_batch=cfg.engine.max_batch, threads=cfg.engine.threads,
+                                                    seed=cfg.run.seed)
                         for p in self.policies}
         self.engine_load_s = time.perf_counter() - t0
         codec = next(iter(self.engines.values())).codec
-        self.workflow = WORKFLOWS[cfg.tasks.workflow]
+        self.workflow = WORKFLOWS[cfg.tasks.workflow].run
         self.ctx = EpisodeContext(
             engines=self.engines, codec=codec,
             params=SamplingParams(cfg.engine.max_tokens, cfg.engine.temperature),
             reward=REWARDS[cfg.tasks.reward], policy_index={p: i for i, p in enumerate(cfg.policy_names)},
-            rng=np.random.default_rng([cfg.run.seed, os.getpid()]))
+            rng=np.random.default_rng([cfg.run.seed, os.getpid()]), roles=cfg.roles, workflow=cfg.workflow,
+            environment=await self.environment(), tools=Sandbox(hide=(str(self.rundir.path),)))
         self.client = AsyncClient(wait_rendezvous(self.rundir.path)["address"], self.rundir.read_secret(), timeout_s=10)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
@@ -140,9 +169,12 @@ class RolloutWorker:
                 t.cancel()
             await self.hand_back()
             # the worker's own ledger, for tests and post-mortems: what the rank acknowledged
-            log.info("commits acknowledged: %d", self.committed)
+            log.info("commits acknowledged: %d, episodes handed back after an environment or tool failure: %d",
+                     self.committed, self.episode_failures)
             for e in self.engines.values():
                 e.close()
+            if self.ctx.environment is not None:
+                await self.ctx.environment.close()
             self.client.close()
 
     async def lease_loop(self) -> None:
@@ -150,6 +182,10 @@ class RolloutWorker:
             for tid in [t for t, task in self.inflight.items() if task.done()]:
                 self.inflight.pop(tid).result()  # re-raises a workflow bug instead of hiding it
             free = self.cfg.rollout.concurrency - len(self.inflight)
+            if time.monotonic() < self.pause_until:
+                free = 0
+                if not self.inflight:
+                    await asyncio.sleep(self.pause_until - time.monotonic())
             if free > 0:
                 reply = await self.rpc(lambda: m.Lease(self.worker_id, free, self.versions()))
                 for task in reply.tasks:

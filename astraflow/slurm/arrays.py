@@ -20,11 +20,11 @@ from astraflow.slurm.site import SiteProfile
 from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
 
 
-def supervise_rollout(run: RunDir, worker_id: str) -> bool:
+def supervise_rollout(run: RunDir, worker_id: str, policies: tuple[str, ...]) -> bool:
     """Run one rollout worker, restarted when it crashes, until it leaves (drained, no tasks
     left), the run is finished, or a signal comes (then False)."""
     sup = Supervisor(run.config.launcher.max_restarts, run.config.launcher.backoff_s)
-    comp = sup.add(components.rollout(run, f"rollout-{worker_id}", worker_id))
+    comp = sup.add(components.rollout(run, f"rollout-{worker_id}", worker_id, policies))
     try:
         return Watch(sup).until(lambda finished: comp.name in finished or components.finished_marker(run.path).exists())
     finally:
@@ -36,7 +36,8 @@ def rollout_array_task(run_dir: str) -> int:
     # a single task is submitted as a plain job (submitit): it is task 0 of its "array"
     worker_id = rollout_worker_id() if "SLURM_ARRAY_JOB_ID" in os.environ else f"{os.environ['SLURM_JOB_ID']}_0"
     os.environ["ASTRAFLOW_PARTITION"] = partition()
-    supervise_rollout(RunDir.open(run_dir), worker_id)
+    run = RunDir.open(run_dir)
+    supervise_rollout(run, worker_id, run.config.task_policies)  # an added worker hosts what episodes need
     return 0
 
 

@@ -154,7 +154,8 @@ class Node:
         return 0 if self.supervise(lambda finished: comp.name in finished or marker.exists()) else EXIT_STOPPED
 
     def rollout_task(self, run: RunDir) -> int:
-        return 0 if supervise_rollout(run, f"{self.task.job_id}.{self.task.procid}") else EXIT_STOPPED
+        policies = run.config.worker_policies(self.task.group_rank)
+        return 0 if supervise_rollout(run, f"{self.task.job_id}.{self.task.procid}", policies) else EXIT_STOPPED
 
     def supervise(self, done) -> bool:
         self.watch = Watch(self.sup)

@@ -25,7 +25,7 @@ from tensorboardX import SummaryWriter
 from transformers import AutoModelForCausalLM
 
 from astraflow.config.rundir import RunDir
-from astraflow.models import base_model_dir
+from astraflow.models import policy_model_dir
 from astraflow.models.tokenizer import TextCodec
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, read_rendezvous, wait_rendezvous
@@ -51,11 +51,11 @@ METRIC_FIELDS = ("step", "time", "reward_mean", "reward_trained", "generated", "
 class TorchTrainer:
     def __init__(self, run: RunDir, policy: str, rank: int = 0, world: int = 1) -> None:
         self.run, self.cfg, self.policy = run, run.config, policy
-        self.tcfg = run.config.trainer
+        self.tcfg = run.config.trainer_for(policy)
         self.rank, self.world = rank, world
         torch.set_num_threads(self.tcfg.threads)
         torch.manual_seed(run.config.run.seed + rank)
-        self.base_dir = base_model_dir(run.path, run.config.model.path)
+        self.base_dir = policy_model_dir(run.path, run.config, policy)
         self.codec = TextCodec(self.base_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
@@ -216,6 +216,6 @@ def run_trainer(run_dir: str, policy: str) -> bool:
     trainer.run_loop()
     if world > 1:
         dist.destroy_process_group()
-    return trainer.step >= run.config.trainer.steps or not trainer.stop
+    return trainer.step >= trainer.tcfg.steps or not trainer.stop
 
 

@@ -1,6 +1,8 @@
-"""Supervised warm-up on the task format (the warm-up split only), so that RL starts from a
-weak but non-zero policy, as it does from a base model in practice. Trains on the answer
-tokens (answer + EOS) of `warmup.steps` random batches and saves the model in place."""
+"""Supervised warm-up on a role's format (the warm-up split only), so that RL starts from a
+weak but non-zero policy, as it does from a base model in practice. Trains on the target
+tokens of `warmup.steps` random batches of the workflow's examples for that role (the
+solver's answer, the verifier's verdict on a right or a wrong answer, the agent's tool call)
+and saves the model in place."""
 from __future__ import annotations
 
 import logging
@@ -13,11 +15,12 @@ from transformers import AutoModelForCausalLM
 from astraflow.config.schema import Config
 from astraflow.models.tokenizer import TextCodec
 from astraflow.tasks.sources import TaskSource
+from astraflow.workflows import WORKFLOWS
 
 log = logging.getLogger(__name__)
 
 
-def warm_up(model_dir: Path, cfg: Config) -> float:
+def warm_up(model_dir: Path, cfg: Config, role: str) -> float:
     """Returns the last batch's loss."""
     w = cfg.warmup
     items = TaskSource(cfg.tasks).warmup
@@ -25,17 +28,17 @@ def warm_up(model_dir: Path, cfg: Config) -> float:
         return float("nan")
     torch.manual_seed(cfg.run.seed)
     codec = TextCodec(model_dir)
+    rng = np.random.default_rng(cfg.run.seed)
+    examples = WORKFLOWS[cfg.tasks.workflow].warmup(role, items, codec, rng)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optim = torch.optim.AdamW(model.parameters(), lr=w.lr)
-    rng = np.random.default_rng(cfg.run.seed)
     loss = torch.tensor(float("nan"))
     for step in range(w.steps):
-        rows = [items[i] for i in rng.integers(len(items), size=w.batch_size)]
-        seqs = [(codec.encode_prompt(r.prompt), codec.encode_completion(r.answer)) for r in rows]
-        width = max(len(p) + len(a) for p, a in seqs)
-        ids = torch.full((len(seqs), width), codec.pad_id)
-        labels = torch.full((len(seqs), width), -100)
-        for i, (p, a) in enumerate(seqs):
+        rows = [examples[i] for i in rng.integers(len(examples), size=w.batch_size)]
+        width = max(len(p) + len(a) for p, a in rows)
+        ids = torch.full((len(rows), width), codec.pad_id)
+        labels = torch.full((len(rows), width), -100)
+        for i, (p, a) in enumerate(rows):
             ids[i, : len(p) + len(a)] = torch.tensor(p + a)
             labels[i, len(p): len(p) + len(a)] = torch.tensor(a)
         loss = model(input_ids=ids, attention_mask=(ids != codec.pad_id).long(), labels=labels).loss
@@ -43,5 +46,6 @@ def warm_up(model_dir: Path, cfg: Config) -> float:
         loss.backward()
         optim.step()
     model.save_pretrained(model_dir, safe_serialization=True)
-    log.info("warm-up: %d steps on %d prompts, final loss %.3f", w.steps, len(items), float(loss.detach()))
+    log.info("warm-up (%s): %d steps on %d examples, final loss %.3f", role, w.steps, len(examples),
+             float(loss.detach()))
     return float(loss.detach())

@@ -1,20 +1,41 @@
-"""What a workflow gets: engines per policy, the text codec, sampling parameters, the reward.
+"""What a workflow gets and how it builds records: engines per policy, roles, the text codec,
+sampling, the reward, and (for agentic workflows) an environment client and a tool sandbox.
 
 A workflow is `async def wf(task: Task, ctx: EpisodeContext) -> list[Trajectory]`. It may call
 `ctx.engines[policy].generate(...)` as often as it likes (multi-turn, several policies);
-the engine batches concurrent episodes. Every token it did not generate with a policy's
-engine gets loss_mask 0 and token_policy -1 (prompt, tool, environment output).
+the engine batches concurrent episodes. Records are built with `Sequence`: every segment is
+either context (prompt, tool output, environment observation: loss_mask 0, token_policy -1,
+version -1) or one policy's completion. A record is the sequence as seen by one policy:
+its loss mask covers exactly the tokens that policy generated — another policy's tokens and
+tool output are never trained on.
+
+An environment or tool that fails raises `EpisodeError`: the worker hands the task back to
+be leased again instead of crashing.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
+from astraflow.config.schema import WorkflowConfig
 from astraflow.models.tokenizer import TextCodec
 from astraflow.protocol.messages import Trajectory
 from astraflow.rollout.engines.base import Completion, Engine, SamplingParams
+
+Z99 = 2.3263  # the standard normal's 99th percentile
+
+
+class EpisodeError(Exception):
+    """An environment or tool failed mid-episode: the task goes back to the queue."""
+
+
+def lognormal(rng: np.random.Generator, median: float, p99: float) -> float:
+    """A draw from the lognormal with this median and 99th percentile."""
+    sigma = math.log(max(p99, median) / median) / Z99
+    return float(median * math.exp(sigma * rng.standard_normal()))
 
 
 @dataclass
@@ -25,17 +46,55 @@ class EpisodeContext:
     reward: Callable[[str, str], float]
     policy_index: dict[str, int]
     rng: np.random.Generator
+    roles: dict[str, str]  # role -> policy
+    workflow: WorkflowConfig = WorkflowConfig()
+    environment: Any = None  # astraflow.environments.client.EnvironmentClient
+    tools: Any = None  # astraflow.sandbox.Sandbox
+
+    def sampling(self) -> SamplingParams:
+        """The episode's sampling parameters; with `decode_len_median` set, a long-tailed length."""
+        w = self.workflow
+        if w.decode_len_median <= 0:
+            return self.params
+        n = lognormal(self.rng, w.decode_len_median, w.decode_len_median * w.decode_len_p99_ratio)
+        return SamplingParams(max(1, min(self.params.max_tokens, round(n))), self.params.temperature, ignore_eos=True)
+
+    def episode_id(self) -> int:
+        return int(self.rng.integers(1 << 62))
 
 
-def trajectory(policy: str, policy_index: int, prompt: list[int], completion: Completion, reward: float,
-               group_id: int, episode_id: int, gen_s: float, meta: dict) -> Trajectory:
-    """A single-turn record: prompt tokens (not trained) followed by this policy's completion."""
-    n_p, n_c = len(prompt), len(completion.tokens)
-    return Trajectory(
-        policy=policy,
-        tokens=np.concatenate([np.asarray(prompt, np.int32), completion.tokens]),
-        logprobs=np.concatenate([np.zeros(n_p, np.float32), completion.logprobs]),
-        loss_mask=np.concatenate([np.zeros(n_p, np.uint8), np.ones(n_c, np.uint8)]),
-        versions=np.concatenate([np.full(n_p, -1, np.int32), np.full(n_c, completion.version, np.int32)]),
-        token_policy=np.concatenate([np.full(n_p, -1, np.int8), np.full(n_c, policy_index, np.int8)]),
-        reward=reward, episode_id=episode_id, group_id=group_id, gen_s=gen_s, meta=meta)
+class Sequence:
+    """A token sequence built segment by segment, from which per-policy records are cut."""
+
+    def __init__(self, context: list[int]) -> None:
+        self.tokens: list[np.ndarray] = []
+        self.logprobs: list[np.ndarray] = []
+        self.owner: list[np.ndarray] = []
+        self.versions: list[np.ndarray] = []
+        self.add_context(context)
+
+    def add_context(self, ids: list[int]) -> None:
+        n = len(ids)
+        self.tokens.append(np.asarray(ids, np.int32))
+        self.logprobs.append(np.zeros(n, np.float32))
+        self.owner.append(np.full(n, -1, np.int8))
+        self.versions.append(np.full(n, -1, np.int32))
+
+    def add_completion(self, policy_index: int, completion: Completion) -> None:
+        n = len(completion.tokens)
+        self.tokens.append(np.asarray(completion.tokens, np.int32))
+        self.logprobs.append(np.asarray(completion.logprobs, np.float32))
+        self.owner.append(np.full(n, policy_index, np.int8))
+        self.versions.append(np.full(n, completion.version, np.int32))
+
+    @property
+    def ids(self) -> list[int]:
+        return np.concatenate(self.tokens).tolist()
+
+    def record(self, policy: str, policy_index: int, reward: float, group_id: int, episode_id: int,
+               gen_s: float, meta: dict) -> Trajectory:
+        owner = np.concatenate(self.owner)
+        return Trajectory(policy=policy, tokens=np.concatenate(self.tokens), logprobs=np.concatenate(self.logprobs),
+                          loss_mask=(owner == policy_index).astype(np.uint8), versions=np.concatenate(self.versions),
+                          token_policy=owner, reward=reward, episode_id=episode_id, group_id=group_id, gen_s=gen_s,
+                          meta=meta)

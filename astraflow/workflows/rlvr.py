@@ -6,20 +6,21 @@ import asyncio
 import time
 
 from astraflow.protocol.messages import Task, Trajectory
-from astraflow.workflows.api import EpisodeContext, trajectory
+from astraflow.workflows.api import EpisodeContext, Sequence
 
 
 async def rlvr(task: Task, ctx: EpisodeContext) -> list[Trajectory]:
-    (policy,) = task.policies
+    policy = ctx.roles["policy"]
     engine = ctx.engines[policy]
     prompt = ctx.codec.encode_prompt(task.prompt)
 
     async def one() -> Trajectory:
         t0 = time.perf_counter()
-        completion = await engine.generate(prompt, ctx.params)
+        completion = await engine.generate(prompt, ctx.sampling())
         text = ctx.codec.decode(completion.tokens)
-        return trajectory(policy, ctx.policy_index[policy], prompt, completion, ctx.reward(text, task.answer),
-                          group_id=task.task_id, episode_id=int(ctx.rng.integers(1 << 62)),
-                          gen_s=time.perf_counter() - t0, meta={"completion": text})
+        seq = Sequence(prompt)
+        seq.add_completion(ctx.policy_index[policy], completion)
+        return seq.record(policy, ctx.policy_index[policy], ctx.reward(text, task.answer), group_id=task.task_id,
+                          episode_id=ctx.episode_id(), gen_s=time.perf_counter() - t0, meta={"completion": text})
 
     return list(await asyncio.gather(*(one() for _ in range(task.group_size))))

@@ -25,7 +25,8 @@ def test_rlvr_builds_one_group_with_masks_versions_and_rewards(tmp_path):
     engine = HFEngine(model_dir, seed=0)
     engine.version = 5
     ctx = EpisodeContext(engines={"solver": engine}, codec=engine.codec, params=SamplingParams(4),
-                         reward=exact_match, policy_index={"solver": 1}, rng=np.random.default_rng(0))
+                         reward=exact_match, policy_index={"solver": 1}, rng=np.random.default_rng(0),
+                         roles={"policy": "solver"})
     trajs = asyncio.run(rlvr(Task(42, 30.0, "3+4=", "7", 4, ["solver"]), ctx))
     prompt = engine.codec.encode_prompt("3+4=")
     assert len(trajs) == 4 and all(t.group_id == 42 for t in trajs) and len({t.episode_id for t in trajs}) == 4

@@ -21,6 +21,9 @@ import numpy as np
 class SamplingParams:
     max_tokens: int
     temperature: float = 1.0  # 0 = greedy
+    # Decode `max_tokens` tokens whatever is sampled, then cut the completion at its first
+    # EOS: the cost of a long generation, the tokens of the unchanged distribution.
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class Completion:
     logprobs: np.ndarray  # float32, same length
     version: int  # weight version that generated every token of it
     finished: bool  # ended with EOS
+    decoded: int = 0  # tokens the engine decoded for it (more than len(tokens) with ignore_eos)
 
 
 class Engine(Protocol):

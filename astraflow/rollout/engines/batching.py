@@ -2,7 +2,8 @@
 
 Requests that arrive while a batch runs are collected and run together next (continuous
 batching at request granularity); requests with different sampling parameters go in
-different batches. Batches and weight loads run in a worker thread, one at a time, so the
+different batches, except for `max_tokens` and `ignore_eos`, which are per request within a
+batch (a batch of long-tailed lengths runs together). Batches and weight loads run in a worker thread, one at a time, so the
 event loop keeps serving episodes (tool calls, commits) meanwhile and a reload never lands
 inside a batch. Subclasses implement `generate_batch` and `load_path`.
 """
@@ -23,7 +24,8 @@ class BatchingEngine:
         self._lock: asyncio.Lock | None = None
         self._runner: asyncio.Task | None = None
 
-    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        """One completion per prompt; every request of a batch has the same temperature."""
         raise NotImplementedError
 
     def load_path(self, path: Path) -> None:
@@ -57,13 +59,13 @@ class BatchingEngine:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                params = self._queue[0][1]
-                batch = [r for r in self._queue if r[1] == params][: self.max_batch]
+                temperature = self._queue[0][1].temperature
+                batch = [r for r in self._queue if r[1].temperature == temperature][: self.max_batch]
                 taken = {id(r) for r in batch}
                 self._queue = [r for r in self._queue if id(r) not in taken]
                 async with self._lock:
                     try:
-                        outs = await asyncio.to_thread(self.generate_batch, [b[0] for b in batch], params)
+                        outs = await asyncio.to_thread(self.generate_batch, [b[0] for b in batch], [b[1] for b in batch])
                     except Exception as e:  # noqa: BLE001 - fail the callers, keep the engine
                         outs = None
                         for *_, fut in batch:

@@ -35,7 +35,7 @@ class HFEngine(BatchingEngine):
 
     # ---------------------------------------------------------------- batch
     @torch.inference_mode()
-    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         pad, eos = self.codec.pad_id, self.codec.eos_id
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -43,19 +43,22 @@ class HFEngine(BatchingEngine):
         for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        greedy = params.temperature <= 0
+        temperature = params[0].temperature
+        greedy = temperature <= 0
+        limit = torch.tensor([p.max_tokens for p in params])
+        stops = torch.tensor([not p.ignore_eos for p in params])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         done = torch.zeros(len(prompts), dtype=torch.bool)
         steps, logps = [], []
-        for step in range(params.max_tokens):
-            logp = torch.log_softmax(out.logits[:, -1].float() / (1.0 if greedy else params.temperature), dim=-1)
+        for step in range(int(limit.max())):
+            logp = torch.log_softmax(out.logits[:, -1].float() / (1.0 if greedy else temperature), dim=-1)
             token = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]
             token = token.masked_fill(done, pad)
             steps.append(token)
             logps.append(logp.gather(-1, token[:, None])[:, 0])
-            done |= token == eos
-            if done.all() or step == params.max_tokens - 1:
+            done |= (stops & (token == eos)) | (limit <= step + 1)
+            if done.all():
                 break
             mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
             positions = positions[:, -1:] + 1
@@ -65,9 +68,10 @@ class HFEngine(BatchingEngine):
         lp = torch.stack(logps, dim=1)
         results = []
         for i in range(len(prompts)):
-            row = new[i].numpy()
+            row = new[i, : params[i].max_tokens].numpy()
             ends = np.flatnonzero(row == eos)
             n = int(ends[0]) + 1 if len(ends) else len(row)
+            decoded = len(row) if params[i].ignore_eos else n
             results.append(Completion(row[:n].astype(np.int32), lp[i, :n].numpy().astype(np.float32),
-                                      self.version, bool(len(ends))))
+                                      self.version, bool(len(ends)), decoded))
         return results

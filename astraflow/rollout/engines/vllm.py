@@ -43,20 +43,23 @@ class VLLMEngine(BatchingEngine):
                        seed=seed, max_model_len=MAX_POSITIONS, logprobs_mode="processed_logprobs",
                        max_num_seqs=max_batch)
 
-    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
 
         eos = self.codec.eos_id
-        sp = VSampling(n=1, temperature=max(0.0, params.temperature), top_k=0, top_p=1.0,
-                       max_tokens=params.max_tokens, logprobs=0, stop_token_ids=[eos], detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        sps = [VSampling(n=1, temperature=max(0.0, p.temperature), top_k=0, top_p=1.0, max_tokens=p.max_tokens,
+                         logprobs=0, stop_token_ids=[] if p.ignore_eos else [eos], ignore_eos=p.ignore_eos,
+                         detokenize=False) for p in params]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
         results = []
         for out in outs:
             o = out.outputs[0]
-            tokens = np.asarray(o.token_ids, np.int32)
-            logprobs = np.array([step[t].logprob for step, t in zip(o.logprobs, o.token_ids)], np.float32)
-            results.append(Completion(tokens, logprobs, self.version, bool(len(tokens) and tokens[-1] == eos)))
+            decoded = np.asarray(o.token_ids, np.int32)
+            ends = np.flatnonzero(decoded == eos)
+            n = int(ends[0]) + 1 if len(ends) else len(decoded)
+            logprobs = np.array([step[t].logprob for step, t in zip(o.logprobs[:n], o.token_ids[:n])], np.float32)
+            results.append(Completion(decoded[:n], logprobs, self.version, bool(len(ends)), len(decoded)))
         return results
 
     def load_path(self, path: Path) -> None:

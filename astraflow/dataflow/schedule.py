@@ -1,0 +1,49 @@
+"""When work may start, beyond the default asynchronous schedule (pure functions of the state).
+
+- Version barrier (`schedule.barrier`, async mode): a trainer's batch for step s waits until
+  every other policy still training has published version s-1. Lock-step versions, while
+  generation still overlaps training.
+- Sync schedule (`schedule.mode: sync`), the conventional trainer-centred loop on the same
+  components: tasks are leased only while no trainer is in the middle of a step, every policy
+  still training is at the same version, the worker holds exactly those versions, and some
+  policy's next batch is not yet covered by buffered plus in-flight samples — then only as
+  many tasks as cover it. So each iteration generates one batch per policy with the latest
+  weights, then the trainers train and publish, then the workers reload, then the next round.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from astraflow.dataflow.state import DataflowState
+
+SYNC_RETRY_S = 0.05  # sync waits are short: the round starts as soon as weights are in
+
+
+def training(state: "DataflowState") -> list[str]:
+    """The policies whose trainers still have steps to take."""
+    return [p for p in state.policy_names
+            if state.buffers[p].trainer_step < state.cfg.trainer_for(p).steps]
+
+
+def barrier_blocks(state: "DataflowState", policy: str, step: int) -> bool:
+    return any(state.buffers[q].trainer_version < step - 1 for q in training(state) if q != policy)
+
+
+def sync_quota(state: "DataflowState", needed: tuple[str, ...], versions: dict[str, int]) -> tuple[int, str]:
+    """How many tasks a worker may lease now in sync mode, and why not more."""
+    buffers = state.buffers
+    live = [p for p in training(state) if p in needed]
+    if not live:
+        return 0, "sync_done"
+    if any(buffers[p].served for p in needed):
+        return 0, "sync_training"
+    if len({buffers[p].trainer_version for p in live}) > 1:
+        return 0, "sync_barrier"
+    if any(versions.get(p, -1) != buffers[p].trainer_version for p in needed):
+        return 0, "stale_weights"
+    group = state.cfg.tasks.group_size
+    covered = len(state.tasks.leased) * group
+    deficit = max(state.cfg.trainer_for(p).batch_size - buffers[p].buffered - covered for p in live)
+    return (math.ceil(deficit / group), "") if deficit > 0 else (0, "sync_full")

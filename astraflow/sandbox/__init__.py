@@ -1,0 +1,142 @@
+"""Running generated code: a separate process in its own namespaces, unprivileged, limited.
+
+Every run is `unshare --net --mount --pid --fork --kill-child --mount-proc` around
+`astraflow.sandbox.inner`, which (still root, but in the new namespaces) mounts a size-capped
+tmpfs over /tmp, /var/tmp and /dev/shm and an empty read-only tmpfs over every hidden path
+(the run directory: the secret is not there to read), sets rlimits on CPU time, address
+space, file size, processes and open files, drops to an unprivileged uid with no groups, and
+execs `python -I -S -c SOURCE` in `/tmp/work`. So:
+- no network: a new network namespace has only a loopback interface, and it is down;
+- no writes outside its directory: the uid owns nothing else, and /tmp is its own tmpfs,
+  which disappears with the mount namespace (the temporary directory is removed by the
+  kernel, whatever the code did);
+- no process outlives it: it is PID 1 of its own PID namespace; when it exits or the wall
+  clock runs out, every process in the namespace is killed;
+- output is capped: past `output_bytes` the run is killed and marked truncated.
+
+Needs root (to create the namespaces and switch uid); `Sandbox.check()` says why it cannot run.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import signal
+import sys
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_s: int = 2
+    wall_s: float = 5.0
+    memory_mb: int = 256
+    file_mb: int = 1
+    processes: int = 16
+    open_files: int = 64
+    output_bytes: int = 4096
+    tmpfs_mb: int = 16
+
+
+@dataclass
+class Result:
+    stdout: str
+    stderr: str
+    returncode: int
+    timed_out: bool = False
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out and not self.truncated
+
+
+def world_executable(path: str) -> bool:
+    """Whether a uid that owns nothing can execute `path` (every directory on the way o+x)."""
+    real = os.path.realpath(path)
+    parts = [real] + [p for p in (os.path.dirname(real),) for p in _parents(p)]
+    return all(os.path.exists(p) and os.stat(p).st_mode & 0o001 for p in parts)
+
+
+def _parents(path: str) -> list[str]:
+    out = [path]
+    while path != "/":
+        path = os.path.dirname(path)
+        out.append(path)
+    return out
+
+
+def sandbox_python() -> str | None:
+    """An interpreter the sandbox uid can run: this one if it can, else the system's."""
+    for candidate in (sys.executable, "/usr/local/bin/python3", "/usr/bin/python3"):
+        if os.path.exists(candidate) and world_executable(candidate):
+            return os.path.realpath(candidate)
+    return None
+
+
+UID_BASE = 200_000  # sandbox uids: no passwd entry, owning no file on the host
+_slots = itertools.count()
+
+
+@dataclass
+class Sandbox:
+    limits: Limits = field(default_factory=Limits)
+    hide: tuple[str, ...] = ()  # paths made invisible inside (the run directory)
+
+    @staticmethod
+    def check() -> str | None:
+        """None when sandboxes can run here, else why not."""
+        if os.geteuid() != 0:
+            return "the sandbox needs root to create namespaces and switch to an unprivileged uid"
+        if shutil.which("unshare") is None:
+            return "the sandbox needs util-linux `unshare`"
+        if sandbox_python() is None:
+            return ("no Python interpreter that an unprivileged uid may execute (this one lives under a "
+                    "private directory); install the system python3")
+        return None
+
+    def _uid(self) -> int:
+        # one uid per run, so that RLIMIT_NPROC (counted per uid) is this run's alone
+        return UID_BASE + (os.getpid() * 4096 + next(_slots)) % 1_000_000
+
+    async def run_python(self, source: str) -> Result:
+        spec = {"limits": asdict(self.limits), "hide": list(self.hide), "uid": self._uid(), "python": sandbox_python()}
+        proc = await asyncio.create_subprocess_exec(
+            "unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+            sys.executable, "-I", "-m", "astraflow.sandbox.inner", json.dumps(spec),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+        cap = self.limits.output_bytes
+        out, err = bytearray(), bytearray()
+        truncated = timed_out = False
+
+        async def pump(stream: asyncio.StreamReader, buf: bytearray) -> None:
+            nonlocal truncated
+            while chunk := await stream.read(4096):
+                buf += chunk
+                if len(buf) > cap:
+                    truncated = True
+                    del buf[cap:]
+                    self._kill(proc)
+                    return
+
+        proc.stdin.write(source.encode())
+        proc.stdin.close()
+        try:
+            await asyncio.wait_for(asyncio.gather(pump(proc.stdout, out), pump(proc.stderr, err), proc.wait()),
+                                   self.limits.wall_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+            self._kill(proc)
+        code = await proc.wait()
+        return Result(out.decode(errors="replace"), err.decode(errors="replace"), code, timed_out, truncated)
+
+    @staticmethod
+    def _kill(proc: asyncio.subprocess.Process) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # unshare and its child: the PID namespace dies with it
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,151 @@
+"""Multi-policy and agentic workflows on real tiny models: per-policy loss masks, the
+verifier's balanced reward, and a tool-using agent against a real environment server and
+the real sandbox."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from astraflow.config.loader import parse_config
+from astraflow.config.schema import WorkflowConfig
+from astraflow.environments.client import EnvironmentClient
+from astraflow.models.factory import make_model
+from astraflow.protocol.messages import Task, Trajectory
+from astraflow.rollout.engines.base import SamplingParams
+from astraflow.rollout.engines.hf import HFEngine
+from astraflow.sandbox import Sandbox
+from astraflow.tasks.sources import TaskSource
+from astraflow.trainer.warmup import warm_up
+from astraflow.workflows import EpisodeContext, EpisodeError
+from astraflow.workflows.cotrain import balance, solve_and_check, solver_verifier
+from astraflow.workflows.rewards import exact_match
+from astraflow.workflows.tool_agent import multi_turn_tool
+from tests.conftest import REPO
+
+TASK = Task(7, 30.0, "3+4+2=", "9", 6, ["solver", "verifier"])
+INDEX = {"solver": 0, "verifier": 1}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model = make_model("qwen2", "tiny", tmp_path_factory.mktemp("m") / "model", corpus=["3+4+2=9?YN!>;"])
+    e = HFEngine(model, seed=0)
+    yield e
+    e.close()
+
+
+def context(engine, engines: dict, roles: dict, **workflow) -> EpisodeContext:
+    return EpisodeContext(engines=engines, codec=engine.codec, params=SamplingParams(4, 1.0), reward=exact_match,
+                          policy_index=INDEX, rng=np.random.default_rng(0), roles=roles,
+                          workflow=WorkflowConfig(**workflow))
+
+
+def trained_owner(t: Trajectory) -> set[int]:
+    return set(t.token_policy[t.loss_mask == 1].tolist())
+
+
+@pytest.mark.parametrize("workflow", [solver_verifier, solve_and_check])
+def test_each_policy_trains_only_its_own_tokens(engine, workflow):
+    engine.version = 3
+    ctx = context(engine, {"solver": engine, "verifier": engine}, {"solver": "solver", "verifier": "verifier"})
+    records = asyncio.run(workflow(TASK, ctx))
+    solver = [r for r in records if r.policy == "solver"]
+    verifier = [r for r in records if r.policy == "verifier"]
+    assert len(solver) == len(verifier) == TASK.group_size
+    for s, v in zip(solver, verifier):
+        assert trained_owner(s) == {0} and trained_owner(v) == {1}
+        assert (s.versions[s.loss_mask == 1] == 3).all() and (s.logprobs[s.loss_mask == 1] < 0).all()
+        assert s.reward == exact_match(s.meta["completion"], "9") and s.episode_id == v.episode_id
+        if workflow is solve_and_check:  # one sequence, two masks that split the generated tokens
+            assert np.array_equal(s.tokens, v.tokens)
+            assert not (s.loss_mask & v.loss_mask).any()
+            assert np.array_equal(s.loss_mask | v.loss_mask, (s.token_policy >= 0).astype(np.uint8))
+        else:  # the verifier sees the answer as context it did not generate
+            answer = s.tokens[s.loss_mask == 1]
+            assert (v.token_policy == 0).sum() == 0 and answer.tolist() == v.tokens[len(s.tokens) - len(answer):len(s.tokens)].tolist()
+
+
+def test_retry_after_rejection_adds_a_second_attempt(engine):
+    ctx = context(engine, {"solver": engine, "verifier": engine}, {"solver": "solver", "verifier": "verifier"},
+                  retry=True)
+    records = asyncio.run(solver_verifier(TASK, ctx))
+    for episode in {r.episode_id for r in records}:
+        mine = [r for r in records if r.episode_id == episode and r.policy == "verifier"]
+        assert [r.meta["attempt"] for r in mine] == list(range(len(mine)))
+        assert all(not r.meta["accept"] for r in mine[:-1])  # only a rejection brings another attempt
+
+
+def test_verifier_reward_mean_is_its_balanced_accuracy():
+    def judged(truth: bool, accept: bool) -> Trajectory:
+        z = np.zeros(2, np.int32)
+        return Trajectory("verifier", z, z.astype(np.float32), z.astype(np.uint8), z, z.astype(np.int8),
+                          float(truth == accept), meta={"truth": truth, "accept": accept})
+
+    always_reject = balance([judged(t, False) for t in (True, False, False, False)], "verifier")
+    assert np.mean([r.reward for r in always_reject]) == pytest.approx(0.5)
+    mixed = balance([judged(True, True), judged(False, False), judged(False, True), judged(False, False)], "verifier")
+    assert np.mean([r.reward for r in mixed]) == pytest.approx((1 + 2 / 3) / 2)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    """A tiny model warmed up on the tool format: it calls the tool, then copies its output."""
+    cfg = parse_config("tasks: {kind: arithmetic, operands: 3, max_operand: 9, ops: '+', warmup: 150, "
+                       "workflow: multi_turn_tool}\nwarmup: {steps: 300, lr: 0.003}\n"
+                       "policies: [{name: agent, role: agent}]\n")
+    source = TaskSource(cfg.tasks)
+    model = make_model("qwen2", "tiny", tmp_path_factory.mktemp("a") / "model",
+                       corpus=[i.prompt + i.answer for i in source.train + source.warmup + source.heldout])
+    warm_up(model, cfg, "agent")
+    e = HFEngine(model, seed=0)
+    yield e, source.warmup[0]
+    e.close()
+
+
+def env_server() -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "env-server", "--max-turns", "2"],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+    return proc, proc.stdout.readline().strip()
+
+
+@pytest.mark.skipif(Sandbox.check() is not None and os.environ.get("CI") != "true", reason=str(Sandbox.check()))
+def test_agent_calls_the_sandboxed_tool_and_is_rewarded_by_the_environment(agent):
+    engine, item = agent
+    proc, url = env_server()
+    try:
+        ctx = context(engine, {"agent": engine}, {"agent": "agent"}, max_turns=3)
+        ctx.params, ctx.policy_index = SamplingParams(12, 0.0), {"agent": 0}
+        ctx.environment, ctx.tools = EnvironmentClient(url), Sandbox()
+        (record,) = asyncio.run(multi_turn_tool(Task(1, 30.0, item.prompt, item.answer, 1, ["agent"]), ctx))
+    finally:
+        proc.kill()
+    assert record.meta["tool_calls"] >= 1 and record.meta["done"] and record.reward == 1.0
+    text = engine.codec.decode(record.tokens)
+    assert f">{item.answer};" in text  # the tool's output, from the sandbox
+    tool = engine.codec.encode_text(f">{item.answer};")
+    start = next(i for i in range(len(record.tokens)) if record.tokens[i:i + len(tool)].tolist() == tool)
+    assert (record.loss_mask[start:start + len(tool)] == 0).all()  # tool output is never trained on
+    assert trained_owner(record) == {0}
+
+
+def test_environment_server_dying_mid_episode_is_an_episode_error(agent):
+    engine, item = agent
+    proc, url = env_server()
+    client = EnvironmentClient(url)
+
+    async def episode() -> None:
+        try:
+            episode_id, _ = await client.start(Task(1, 30.0, item.prompt, item.answer, 1, ["agent"]))
+            proc.kill()
+            proc.wait()
+            await client.step(episode_id, "9")
+        finally:
+            await client.close()
+
+    with pytest.raises(EpisodeError, match="/step"):
+        asyncio.run(episode())

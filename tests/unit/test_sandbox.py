@@ -1,0 +1,91 @@
+"""The tool sandbox: limits on time, memory, processes, output; no network; no writes outside
+its directory; the run directory invisible. Real namespaces (root needed; under CI=true a
+machine that cannot run them fails these tests instead of skipping them)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from astraflow.sandbox import Limits, Result, Sandbox
+from tests.conftest import REPO
+
+why_not = Sandbox.check()
+if why_not and os.environ.get("CI") != "true":
+    pytest.skip(why_not, allow_module_level=True)
+
+
+def run(source: str, hide: tuple[str, ...] = (), **limits) -> Result:
+    return asyncio.run(Sandbox(Limits(**{"wall_s": 10.0, **limits}), hide=hide).run_python(source))
+
+
+def test_setup_is_possible_here():
+    assert why_not is None, why_not
+
+
+def test_runs_code_as_an_unprivileged_uid_in_a_temporary_directory():
+    r = run("import os; print(os.getuid(), os.getcwd()); open('scratch', 'w').write('x')")
+    uid, cwd = r.stdout.split()
+    assert r.ok and int(uid) >= 200_000 and cwd == "/tmp/work"
+
+
+def test_cpu_time_limit_stops_an_infinite_loop():
+    t0 = time.monotonic()
+    r = run("while True: pass", cpu_s=1)
+    assert not r.ok and time.monotonic() - t0 < 5
+
+
+def test_wall_clock_limit_stops_a_sleeper():
+    r = run("import time; time.sleep(60)", wall_s=1.0)
+    assert r.timed_out
+
+
+def test_memory_limit():
+    r = run("x = bytearray(1 << 30)", memory_mb=128)
+    assert not r.ok and "MemoryError" in r.stderr
+
+
+def test_process_limit_stops_a_fork_bomb():
+    t0 = time.monotonic()
+    r = run("import os\nwhile True:\n    os.fork()", processes=8)
+    assert not r.ok and time.monotonic() - t0 < 10
+
+
+def test_output_is_capped():
+    r = run("print('x' * 1_000_000)", output_bytes=1000)
+    assert r.truncated and len(r.stdout) == 1000
+
+
+def test_no_network_not_even_loopback():
+    for host in ("1.1.1.1", "127.0.0.1"):
+        r = run(f"import socket; socket.create_connection(('{host}', 80), timeout=2)")
+        assert not r.ok and "Network is unreachable" in r.stderr, r.stderr
+
+
+def test_no_writes_outside_its_directory(tmp_path):
+    os.chmod(tmp_path, 0o777)  # even a world-writable directory outside: /tmp is its own tmpfs
+    r = run(f"open('{tmp_path}/escaped', 'w').write('x')")
+    assert not r.ok and not (tmp_path / "escaped").exists()
+    r = run("open('/tmp/left-behind', 'w').write('x')")
+    assert r.ok and not os.path.exists("/tmp/left-behind")
+
+
+def test_hidden_run_directory_and_its_secret_are_not_there():
+    # outside /tmp (the sandbox has its own) and readable by anyone on the host: only the
+    # mount namespace keeps the secret out of reach
+    run_dir = Path(tempfile.mkdtemp(prefix=".sandbox-test-", dir=REPO))
+    try:
+        os.chmod(run_dir, 0o755)
+        (run_dir / "secret").write_text("s3cret")
+        os.chmod(run_dir / "secret", 0o644)
+        read = f"print(open('{run_dir}/secret').read())"
+        assert run(read).stdout.strip() == "s3cret"  # the control: visible when not hidden
+        r = run(read, hide=(str(run_dir),))
+        assert not r.ok and "s3cret" not in r.stdout and "FileNotFoundError" in r.stderr
+    finally:
+        shutil.rmtree(run_dir)
