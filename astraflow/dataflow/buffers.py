@@ -67,6 +67,12 @@ class PolicyBuffer:
     def buffered(self) -> int:
         return len(self.ready)
 
+    def available(self, trainer_version: int) -> int:
+        """Ready samples that the next `take` would not drop as stale."""
+        floor = trainer_version - self.max_staleness
+        return sum(1 for sid in self.ready if self.samples[sid].state == READY
+                   and self.samples[sid].version_min >= floor)
+
     def has_room(self, expected: int) -> bool:
         return len(self.ready) + expected <= self.capacity
 

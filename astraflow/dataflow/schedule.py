@@ -6,9 +6,11 @@
 - Sync schedule (`schedule.mode: sync`), the conventional trainer-centred loop on the same
   components: tasks are leased only while no trainer is in the middle of a step, every policy
   still training is at the same version, the worker holds exactly those versions, and some
-  policy's next batch is not yet covered by buffered plus in-flight samples — then only as
-  many tasks as cover it. So each iteration generates one batch per policy with the latest
-  weights, then the trainers train and publish, then the workers reload, then the next round.
+  policy's next batch is not yet covered by usable buffered plus in-flight samples — then
+  only as many tasks as cover it; no batch is served until every policy still training has
+  its batch (one policy training alone would move its version and stall the round). So each
+  iteration generates one batch per policy with the latest weights, then the trainers train
+  and publish, then the workers reload, then the next round.
 """
 from __future__ import annotations
 
@@ -45,5 +47,16 @@ def sync_quota(state: "DataflowState", needed: tuple[str, ...], versions: dict[s
         return 0, "stale_weights"
     group = state.cfg.tasks.group_size
     covered = len(state.tasks.leased) * group
-    deficit = max(state.cfg.trainer_for(p).batch_size - buffers[p].buffered - covered for p in live)
+    deficit = max(state.cfg.trainer_for(p).batch_size - _usable(state, p) - covered for p in live)
     return (math.ceil(deficit / group), "") if deficit > 0 else (0, "sync_full")
+
+
+def sync_round_ready(state: "DataflowState", step: int) -> bool:
+    """Whether every policy still training has its batch for this round (or took it already)."""
+    return all(state.buffers[p].trainer_step >= step or step in state.buffers[p].served
+               or _usable(state, p) >= state.cfg.trainer_for(p).batch_size for p in training(state))
+
+
+def _usable(state: "DataflowState", policy: str) -> int:
+    buf = state.buffers[policy]
+    return buf.available(buf.trainer_version)

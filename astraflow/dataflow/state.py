@@ -383,6 +383,8 @@ class DataflowState:
                 raise RequestError("exhausted", f"only {buf.buffered} samples left and no tasks remain")
             if self.cfg.schedule.barrier and schedule.barrier_blocks(self, req.policy, req.step):
                 return None
+            if self.cfg.schedule.mode == "sync" and not schedule.sync_round_ready(self, req.step):
+                return None
             ids = buf.take(req.step, req.n, req.version)
             if ids is None:
                 return None

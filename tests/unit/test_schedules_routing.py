@@ -107,11 +107,13 @@ def test_sync_schedule_generates_one_batch_then_waits_for_training_and_new_weigh
     state = make_state("schedule.mode=sync")
     w = register(state, "w", ["solver", "verifier"])
     v0 = {"solver": 0, "verifier": 0}
+    (first,) = state.handle(m.Lease(w, 1, v0)).tasks
+    commit(state, w, first)  # 4 samples each: the verifier's batch, half the solver's
+    assert state.handle(m.Batch("verifier", 1, 4, 0, 1, 0)) is None  # the round is not complete
     tasks = state.handle(m.Lease(w, 16, v0)).tasks
-    assert len(tasks) == 2  # 8 samples cover the larger batch (solver: 8, groups of 4)
+    assert len(tasks) == 1  # only what the solver's batch still lacks (groups of 4)
     assert state.handle(m.Lease(w, 16, v0)).reason == "sync_full"  # in flight covers it
-    for task in tasks:
-        commit(state, w, task)
+    commit(state, w, tasks[0])
     assert state.handle(m.Batch("solver", 1, 8, 0, 1, 0)) is not None
     assert state.handle(m.Lease(w, 16, v0)).reason == "sync_training"
     publish(state, "solver", 1)
