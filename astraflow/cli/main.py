@@ -18,8 +18,14 @@ def _dataflow(args: argparse.Namespace) -> int:
     from astraflow.config.rundir import RunDir
     from astraflow.dataflow.server import DataflowServer
 
+    from astraflow.dataflow.state import StoreFull
+
     run = RunDir.create_or_open(args.run_dir, args.config, args.set)
-    DataflowServer(run, local=True if args.local else None).serve()
+    try:
+        DataflowServer(run, local=True if args.local else None).serve()
+    except StoreFull as e:
+        print(f"astraflow dataflow: error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -29,6 +35,14 @@ def _inspect(args: argparse.Namespace) -> int:
     report = inspect_run(args.run_dir)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from astraflow.analysis.audit import audit, format_audit
+
+    report = audit(args.run_dir)
+    print(json.dumps(report, indent=2) if args.json else format_audit(report))
+    return 0 if report["ok"] else 1
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -238,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_inspect)
+
+    p = sub.add_parser("audit", help="check a run's exactly-once promises from its shards and journal (exit 1 if not)")
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_audit)
 
     p = sub.add_parser("plot", help="plot a run's training curve (PNG) from its metrics")
     p.add_argument("run_dir")

@@ -55,6 +55,10 @@ class StoreConfig:
     locking: bool = True
     # fsync after every flush: survives power loss, not only a killed process.
     fsync: bool = False
+    # The dataflow rank stops (cleanly, saying why) when its filesystem has less free space
+    # than this, rather than let a full disk cut a shard or the journal short mid-write
+    # (HDF5 even crashed the process on ENOSPC here).
+    min_free_mb: float = 64.0
 
 
 # The roles each workflow's episodes need, one policy per role (`PolicyConfig.role`).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -37,6 +38,13 @@ from astraflow.store.writer import RowBatch, StoreOptions
 log = logging.getLogger(__name__)
 
 TASK_HWM_BLOCK = 1024  # task ids are journalled in blocks: one journal line per 1024 tasks
+
+
+MB = 1 << 20
+
+
+class StoreFull(Exception):
+    """The run directory's filesystem is (nearly) full: the rank stops before writing."""
 
 
 class RequestError(Exception):
@@ -164,6 +172,11 @@ class DataflowState:
 
     def flush(self) -> None:
         """Make everything handled so far durable. Replies may be sent only after this."""
+        free = shutil.disk_usage(self.run_dir).free
+        if free < self.cfg.store.min_free_mb * MB:
+            raise StoreFull(f"only {free / MB:.1f} MB free under {self.run_dir} (store.min_free_mb="
+                            f"{self.cfg.store.min_free_mb:g}): stopping before a shard or the journal is cut "
+                            f"short; nothing unflushed was acknowledged. Free some space and resume the run")
         self.store.flush()
         self.journal.flush()
 
@@ -416,7 +429,10 @@ class DataflowState:
         err = self.buffers[req.policy].consume(req.step, req.sample_ids)
         if err:
             raise RequestError("conflict", f"consumed(policy={req.policy}, step={req.step}): {err}")
-        self.journal.append("consumed", policy=req.policy, step=req.step, ids=req.sample_ids)
+        buf = self.buffers[req.policy]
+        # task ids too: an audit can then tell a lost sample from one whose task was regenerated
+        self.journal.append("consumed", policy=req.policy, step=req.step, ids=req.sample_ids,
+                            tasks=[buf.samples[s].task_id for s in req.sample_ids])
         return m.Ok()
 
     def _published(self, req: m.Published, now: float) -> m.Ok:

@@ -33,6 +33,18 @@ class ComponentFailed(RuntimeError):
     pass
 
 
+def last_error(log: Path) -> str:
+    """The last line of a component's log that looks like an error, to quote in a message."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()[-200:]
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if "Error" in line or "ERROR" in line or "error:" in line:
+            return line.strip()[-300:]
+    return ""
+
+
 class GroupGeneration:
     """A restart counter shared through a directory: files `<name>.gen<N>`, created exclusively."""
 
@@ -82,9 +94,14 @@ class Supervisor:
         return comp
 
     def _start(self, comp: Component) -> None:
-        log_file = open(comp.log_path, "a")
-        log_file.write(f"--- start {comp.name} (restart {comp.restarts}) at {time.ctime()}\n")
-        log_file.flush()
+        try:
+            log_file = open(comp.log_path, "a")
+            log_file.write(f"--- start {comp.name} (restart {comp.restarts}) at {time.ctime()}\n")
+            log_file.flush()
+        except OSError as e:  # a full or failing disk: say so instead of dying with a traceback
+            cause = last_error(comp.log_path)
+            raise ComponentFailed(f"cannot start {comp.name}: writing its log {comp.log_path} failed ({e})"
+                                  f"{'; its last error: ' + cause if cause else ''}") from None
         comp.procs = []
         comp.started_gen = comp.generation.current() if comp.generation else comp.restarts
         for i, cmd in enumerate(comp.commands):
@@ -118,8 +135,9 @@ class Supervisor:
                 comp.procs = []
                 comp.restarts += 1
                 if comp.restarts > self.max_restarts:
-                    raise ComponentFailed(f"{comp.name} failed {comp.restarts} times (exit codes {codes}); "
-                                          f"see {comp.log_path}")
+                    cause = last_error(comp.log_path)
+                    raise ComponentFailed(f"{comp.name} failed {comp.restarts} times (exit codes {codes})"
+                                          f"{': ' + cause if cause else ''}; see {comp.log_path}")
                 delay = self.backoff_s * 2 ** (comp.restarts - 1)
                 comp.next_start = now + delay
                 log.warning("%s exited with %s; restart %d/%d in %.1fs (log: %s)", comp.name, codes,

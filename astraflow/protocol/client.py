@@ -31,6 +31,15 @@ def read_rendezvous(run_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def moved_to(run_dir: str | Path, address: str) -> str | None:
+    """The rank's new address if it published one other than `address` (it restarted)."""
+    try:
+        current = read_rendezvous(run_dir)["address"]
+    except (OSError, ValueError, KeyError):
+        return None  # being rewritten: look again next time
+    return current if current != address else None
+
+
 def wait_rendezvous(run_dir: str | Path, timeout_s: float = 60.0, newer_than: float = 0.0) -> dict:
     """Wait for a dataflow rank to publish its address (started after `newer_than`)."""
     deadline = time.monotonic() + timeout_s

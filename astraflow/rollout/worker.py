@@ -7,6 +7,9 @@ filesystem channel between engine batches. It follows a restarted dataflow rank 
 rendezvous file and registers again when the rank no longer knows it. On SIGTERM (or Slurm's
 warning signal, SIGUSR1) it hands its leases back and exits.
 
+Every acknowledged commit is a line of `logs/acks-<worker>.jsonl` (task, status, sample ids):
+the worker's own ledger, which audits compare with the shards.
+
 Invariant: a commit is retried until acknowledged (the dataflow rank recognises a repeat by
 task id), so a trajectory is lost only if this process dies before it is acknowledged — and
 then its task's lease expires and the task is handed out again.
@@ -14,6 +17,7 @@ then its task's lease expires and the task is handed out again.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -28,12 +32,12 @@ from astraflow.environments.client import EnvironmentClient
 from astraflow.models import policy_model_dir
 from astraflow.protocol import messages as m
 from astraflow.protocol.aclient import AsyncClient
-from astraflow.protocol.client import read_rendezvous, wait_rendezvous
+from astraflow.protocol.client import moved_to, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
 from astraflow.rollout.engines import ENGINES
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.slurm.env import partition, rollout_worker_id
-from astraflow.weights.fs import path_of
+from astraflow.weights.fs import path_of, verify
 from astraflow.sandbox import Sandbox
 from astraflow.workflows import WORKFLOWS, EpisodeContext, EpisodeError
 from astraflow.workflows.rewards import REWARDS
@@ -41,6 +45,7 @@ from astraflow.workflows.rewards import REWARDS
 log = logging.getLogger(__name__)
 
 
+FOLLOW_S = 0.5  # how often the rendezvous file is read for a restarted rank's address
 MAX_PAUSE_S = 5.0  # the longest pause in leasing after environment or tool failures
 
 
@@ -58,6 +63,7 @@ class RolloutWorker:
         self.stopping = False
         self.committed = 0
         self.episode_failures = 0
+        self.refused: dict[str, int] = {}  # policy -> the damaged weight version last refused
         self.failing = 0  # episode failures in a row
         self.pause_until = 0.0  # no leases before this (monotonic), after episode failures
         self.engine_load_s = 0.0
@@ -109,16 +115,40 @@ class RolloutWorker:
             if self.inflight:
                 await self.rpc(lambda: m.Renew(self.worker_id, list(self.inflight)))
 
+    async def follow_loop(self) -> None:
+        """Reconnect as soon as a restarted rank publishes its new address: calls in flight
+        fail at once and are retried, instead of each waiting out its timeout."""
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            address = moved_to(self.rundir.path, self.client.address)
+            if address is not None:
+                log.info("dataflow rank moved to %s: reconnecting", address)
+                self.client.reconnect(address)
+
     async def weights_loop(self) -> None:
         while True:
             for policy, engine in self.engines.items():
                 reply = await self.rpc(lambda: m.Weights(policy))
                 if reply.version > engine.version:
-                    t0 = time.perf_counter()
-                    await engine.load_weights(path_of(reply.uri), reply.version)
-                    log.info("%s: loaded weights v%d in %.0f ms", policy, reply.version,
-                             (time.perf_counter() - t0) * 1e3)
+                    await self.load(policy, engine, reply)
             await asyncio.sleep(self.cfg.rollout.weight_poll_s)
+
+    async def load(self, policy: str, engine, reply: m.WeightsReply) -> None:
+        """Load a new version; a damaged one is refused (logged once) and tried again later —
+        its trainer republishes a damaged version when it resumes from that step."""
+        t0 = time.perf_counter()
+        path = path_of(reply.uri)
+        problem = verify(path)
+        if problem is None:
+            try:
+                await engine.load_weights(path, reply.version)
+            except Exception as e:  # noqa: BLE001 - a bad file must not kill the worker
+                problem = f"{path}: {e!r}"
+        if problem is None:
+            log.info("%s: loaded weights v%d in %.0f ms", policy, reply.version, (time.perf_counter() - t0) * 1e3)
+        elif self.refused.get(policy) != reply.version:
+            self.refused[policy] = reply.version
+            log.error("%s: weights v%d not loaded, staying at v%d: %s", policy, reply.version, engine.version, problem)
 
     async def episode(self, task: m.Task) -> None:
         try:
@@ -134,8 +164,11 @@ class RolloutWorker:
             return
         self.failing = 0
         batch = m.TrajectoryBatch.from_trajectories(trajs)
-        await self.rpc(lambda: m.Commit(self.worker_id, task.task_id, batch, self.versions()))
+        reply = await self.rpc(lambda: m.Commit(self.worker_id, task.task_id, batch, self.versions()))
         self.committed += 1
+        # the worker's own ledger of acknowledged commits, independent of the rank's journal
+        self.acks.write(json.dumps({"task": task.task_id, "status": reply.status, "sids": reply.sample_ids}) + "\n")
+        self.acks.flush()
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -145,6 +178,7 @@ class RolloutWorker:
                                                     seed=cfg.run.seed)
                         for p in self.policies}
         self.engine_load_s = time.perf_counter() - t0
+        self.acks = open(self.rundir.path / "logs" / f"acks-{self.base_id}.jsonl", "a")
         codec = next(iter(self.engines.values())).codec
         self.workflow = WORKFLOWS[cfg.tasks.workflow].run
         self.ctx = EpisodeContext(
@@ -160,7 +194,8 @@ class RolloutWorker:
         background = []
         try:
             await self.rpc(lambda: m.Heartbeat(self.worker_id))  # registers
-            background = [loop.create_task(self.heartbeat_loop()), loop.create_task(self.weights_loop())]
+            background = [loop.create_task(self.heartbeat_loop()), loop.create_task(self.weights_loop()),
+                          loop.create_task(self.follow_loop())]
             await self.lease_loop()
         except WorkerStopped:
             log.info("stopped while the dataflow rank did not answer")
@@ -176,6 +211,7 @@ class RolloutWorker:
             if self.ctx.environment is not None:
                 await self.ctx.environment.close()
             self.client.close()
+            self.acks.close()
 
     async def lease_loop(self) -> None:
         while not self.stopping:

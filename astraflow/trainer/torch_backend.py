@@ -4,7 +4,9 @@ Per step: pull the step's batch from the dataflow rank (blocking; a replayed ste
 restart gets the same samples), compute the proximal logprobs once, take `minibatches`
 optimizer steps of decoupled PPO, publish weights version = step (rank 0, filesystem channel),
 announce it, then acknowledge the step's samples (`consumed`). Metrics go to
-`metrics/<policy>.csv` and to TensorBoard event files in `metrics/tensorboard/<policy>/`.
+`metrics/<policy>.csv` and to TensorBoard event files in `metrics/tensorboard/<policy>/`;
+the sample ids of every acknowledged step go to `metrics/<policy>.consumed.jsonl` (the
+trainer's own ledger, which audits compare with the rank's journal).
 Every `checkpoint_every` steps model + optimizer + step are saved atomically; a restarted trainer resumes from the newest
 checkpoint and tells the dataflow rank (`ready(resume_step)`), which re-serves exactly the
 steps after it. Version v of the weights is the model after step v (v0 = the base model).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import json
 import logging
 import os
 import signal
@@ -28,13 +31,13 @@ from astraflow.config.rundir import RunDir
 from astraflow.models import policy_model_dir
 from astraflow.models.tokenizer import TextCodec
 from astraflow.protocol import messages as m
-from astraflow.protocol.client import Client, read_rendezvous, wait_rendezvous
+from astraflow.protocol.client import Client, moved_to, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
 from astraflow.slurm.env import partition
 from astraflow.trainer.batch import to_tensors, token_logprobs
 from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, save_checkpoint
 from astraflow.trainer.loss import decoupled_ppo_loss
-from astraflow.weights.fs import publish
+from astraflow.weights.fs import publish, verify, version_dir
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +99,25 @@ class TorchTrainer:
                 if interruptible and self.stop:
                     self.client.abandon(seq)
                     raise TrainerStopped
+                if moved_to(self.run.path, self.client.address):
+                    break  # the rank restarted elsewhere: resend there now, not after the timeout
             self.client.abandon(seq)
             self.client.reconnect(read_rendezvous(self.run.path)["address"])
 
+    def republish_if_damaged(self) -> None:
+        """The resumed step's published weights are what workers load first: if they are
+        missing or damaged, publish them again from the checkpoint (the same model)."""
+        if self.step == 0:
+            return
+        problem = verify(version_dir(self.run.path / "weights", self.policy, self.step))
+        if problem is not None:
+            log.error("republishing v%d from the checkpoint: %s", self.step, problem)
+            uri = publish(self.model.state_dict(), self.base_dir, self.run.path / "weights", self.policy, self.step)
+            self.call(m.Published(self.policy, self.step, uri, checkpoint_steps(self.ckpt_dir)))
+
     def run_loop(self) -> None:
+        if self.rank == 0:
+            self.republish_if_damaged()
         if self.rank == 0:  # one Ready per group: a second one would hand back what rank 0 was served
             ready = self.call(m.Ready(m.PROTOCOL_VERSION, self.policy, self.step,
                                       hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
@@ -173,6 +191,8 @@ class TorchTrainer:
             pinned = self._maybe_checkpoint(step)
             self.call(m.Published(self.policy, step, uri, pinned))
             self.call(m.Consumed(self.policy, step, ids))
+            with open(self.run.path / "metrics" / f"{self.policy}.consumed.jsonl", "a") as ledger:
+                ledger.write(json.dumps({"step": step, "ids": ids}) + "\n")  # the trainer's own ledger
         trained = batch.loss_mask.sum().item()
         lag = float((self.step - 1 - batch.versions.float())[batch.loss_mask > 0].mean()) if trained else 0.0
         return {"step": step, "time": time.time(), "reward_mean": reply.generated_reward_mean,

@@ -2,17 +2,39 @@
 
 `publish()` writes `RUN_DIR/weights/<policy>/.v<N>.tmp/` (safetensors + config + tokenizer),
 fsyncs the files and renames the directory to `v<N>`: a reader either sees a complete
-version or none. The URI handed to the dataflow rank is `file://<absolute path>`. The
+version or none. `checksum.json` holds the SHA-256 of the weights; `verify()` checks it, so a
+file damaged at rest (a bad disk, a careless copy) is refused instead of loaded. The URI handed to the dataflow rank is `file://<absolute path>`. The
 channel crosses job and region boundaries because it is only files on the shared filesystem.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
 from urllib.parse import urlparse
 
 COPIED = ("config.json", "tokenizer.json", "generation_config.json")
+WEIGHTS, CHECKSUM = "model.safetensors", "checksum.json"
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(directory: Path) -> str | None:
+    """None when the published weights in `directory` are intact, else what is wrong."""
+    try:
+        expected = json.loads((Path(directory) / CHECKSUM).read_text())[WEIGHTS]
+        actual = sha256(Path(directory) / WEIGHTS)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{directory}: unreadable weights or checksum ({e})"
+    return None if actual == expected else f"{directory}: checksum mismatch (the weights file is damaged)"
 
 
 def version_dir(weights_root: Path, policy: str, version: int) -> Path:
@@ -28,6 +50,7 @@ def publish(state_dict: dict, base_model_dir: Path, weights_root: Path, policy: 
     tmp.mkdir(parents=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
+    (tmp / CHECKSUM).write_text(json.dumps({WEIGHTS: sha256(tmp / WEIGHTS)}))
     for name in COPIED:
         if (Path(base_model_dir) / name).exists():
             shutil.copy(Path(base_model_dir) / name, tmp / name)

@@ -1,0 +1,100 @@
+"""`astraflow audit RUN_DIR`: the exactly-once promises, checked from the shards and journal.
+
+- every task committed at most once: a commit is one (task, worker, commit time) in the row
+  table; a second commit of a task, or a sample id stored twice, is a duplicate;
+- every trajectory a trainer acknowledged is in a live shard, or its shard was quarantined
+  (then its tasks must have been committed again: `regenerated`); a consumed sample found
+  nowhere is `lost`, and so is a quarantined task that was never committed again;
+- no sample trained twice in the surviving lineage: for each (policy, step) the last
+  `consumed` event counts (a replayed step after a trainer restart replaces the first), and
+  no sample id may appear in two steps. AstraFlow has no replay of old samples, so any
+  repeat is an error.
+
+Reads files only; safe on a live run (a commit may then be on its way and not yet visible).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from astraflow.store.journal import replay
+from astraflow.store.reader import ShardCorrupt, ShardReader, load_rows
+
+
+def _quarantined_tasks(run_dir: Path) -> tuple[set[int], set[int], list[str]]:
+    """Task and sample ids of quarantined shards that can still be read, and those that cannot."""
+    tasks: set[int] = set()
+    samples: set[int] = set()
+    unreadable = []
+    for path in sorted((run_dir / "shards" / "quarantine").glob("*.h5")):
+        try:
+            reader = ShardReader(path)
+            rows = reader.rows(("task_id", "sample_id"))
+            reader.close()
+        except ShardCorrupt:
+            unreadable.append(path.name)
+            continue
+        tasks.update(int(t) for t in rows["task_id"])
+        samples.update(int(s) for s in rows["sample_id"])
+    return tasks, samples, unreadable
+
+
+def lineage(run_dir: Path) -> dict[tuple[str, int], dict]:
+    """(policy, step) -> the last `consumed` event for it (sample ids and their task ids)."""
+    out: dict[tuple[str, int], dict] = {}
+    for ev in replay(run_dir / "journal"):
+        if ev.get("ev") == "consumed":
+            out[(ev["policy"], ev["step"])] = ev
+    return out
+
+
+def audit(run_dir: str | Path) -> dict:
+    run_dir = Path(run_dir)
+    df = load_rows(run_dir)
+    commits = df.groupby(["task_id", "worker", "t_commit"]).size().groupby("task_id").size()
+    duplicate_commits = int((commits - 1).sum())
+    duplicate_samples = int(df["sample_id"].duplicated().sum())
+    stored = set(df["sample_id"].tolist())
+    q_tasks, q_samples, unreadable = _quarantined_tasks(run_dir)
+    committed_tasks = set(df["task_id"].tolist())
+    trained: dict[str, list[int]] = {}
+    task_of: dict[int, int] = {}
+    for (policy, _), ev in lineage(run_dir).items():
+        trained.setdefault(policy, []).extend(ev["ids"])
+        task_of.update(zip(ev["ids"], ev.get("tasks", [])))
+    trained_twice = sum(len(ids) - len(set(ids)) for ids in trained.values())
+    missing = {s for ids in trained.values() for s in ids} - stored - q_samples
+    # a trained sample whose shard is gone is not lost if its task was committed again
+    missing_tasks = {task_of[s] for s in missing if s in task_of}
+    lost_samples = sorted(s for s in missing if task_of.get(s) not in committed_tasks)
+    gone_tasks = q_tasks | missing_tasks
+    unregenerated = sorted(q_tasks - committed_tasks)
+    report = {
+        "tasks": len(committed_tasks),
+        "committed": int(len(df)),
+        "duplicates": duplicate_commits + duplicate_samples,
+        "lost": len(lost_samples) + len(unregenerated),
+        "regenerated": len(gone_tasks & committed_tasks),
+        "trained_twice": int(trained_twice),
+        "trained": {p: len(ids) for p, ids in trained.items()},
+        "quarantined_shards": len(list((run_dir / "shards" / "quarantine").glob("*.h5"))),
+        "unreadable_quarantined": unreadable,
+        "unreadable_shards": list(df.attrs.get("skipped", [])),
+        "examples": {"lost_samples": lost_samples[:10], "unregenerated_tasks": unregenerated[:10],
+                     "duplicate_tasks": [int(t) for t in np.asarray(commits[commits > 1].index)[:10]]},
+    }
+    report["ok"] = (report["duplicates"] == 0 and report["lost"] == 0 and report["trained_twice"] == 0
+                    and not report["unreadable_shards"])
+    return {"ok": report.pop("ok"), **report}
+
+
+def format_audit(report: dict) -> str:
+    verdict = "ok" if report["ok"] else "NOT OK"
+    lines = [f"audit: {verdict}",
+             f"  tasks committed {report['tasks']}, trajectories {report['committed']}, trained {report['trained']}",
+             f"  duplicates {report['duplicates']}, lost {report['lost']}, regenerated {report['regenerated']}, "
+             f"trained twice {report['trained_twice']}, quarantined shards {report['quarantined_shards']}"]
+    lines += [f"  {k}: {v}" for k, v in report["examples"].items() if v]
+    lines += [f"  unreadable shard: {s}" for s in report["unreadable_shards"]]
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""Components killed at random moments, several times per run; a worker hung past its lease.
+
+Each run must finish, `astraflow audit` must say ok, and the clients' ledgers must agree
+with the shards and the journal. The kill order and moments come from a seed, printed (and
+settable with ASTRAFLOW_CHAOS_SEED) so that a failure can be replayed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from tests.chaos.harness import BATCH, check_ledgers_and_audit, finish, start, steps_done, wait_steps
+from tests.conftest import component_pids
+
+pytestmark = pytest.mark.chaos
+
+
+def test_sigkill_worker_trainer_and_dataflow_rank_twice_each(tmp_path):
+    seed = int(os.environ.get("ASTRAFLOW_CHAOS_SEED", random.randrange(1 << 30)))
+    print(f"chaos seed {seed}")
+    rng = random.Random(seed)
+    victims = ["rollout", "train", "dataflow"] * 2
+    rng.shuffle(victims)
+    proc, run_dir = start(tmp_path, steps=30)
+    killed = []
+    try:
+        wait_steps(proc, run_dir, 2)
+        for victim in victims:
+            wait_steps(proc, run_dir, steps_done(run_dir) + rng.randint(1, 3))
+            time.sleep(rng.uniform(0, 0.5))
+            pids = component_pids(run_dir, victim)
+            assert pids, f"no {victim} process to kill"
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            killed.append(victim)
+        out, err = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"seed {seed}: {err[-3000:]}"
+    assert json.loads(out[out.index("{"):])["steps"] == 30
+    report = check_ledgers_and_audit(run_dir)
+    assert report["trained"]["policy"] == 30 * BATCH
+    for victim, log in (("dataflow", "dataflow"), ("train", "trainer-policy")):
+        assert "(restart 2)" in (run_dir / "logs" / f"{log}.log").read_text(), f"{victim} was not restarted twice"
+
+
+def test_worker_hung_past_its_lease_is_replaced_and_its_late_commits_are_not_stored_twice(tmp_path):
+    proc, run_dir = start(tmp_path, steps=20)
+    try:
+        wait_steps(proc, run_dir, 2)
+        (pid, *_) = component_pids(run_dir, "rollout")
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(6)  # past lease_s (4) and heartbeat_timeout_s (3): declared dead, leases re-handed
+        hung_at = steps_done(run_dir)
+        os.kill(pid, signal.SIGCONT)
+        out, err = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert hung_at > 2  # the other worker kept the run going meanwhile
+    dataflow_log = (run_dir / "logs" / "dataflow.log").read_text()
+    assert "declared dead" in dataflow_log
+    check_ledgers_and_audit(run_dir)
