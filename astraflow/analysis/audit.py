@@ -65,10 +65,16 @@ def audit(run_dir: str | Path) -> dict:
         task_of.update(zip(ev["ids"], ev.get("tasks", [])))
     trained_twice = sum(len(ids) - len(set(ids)) for ids in trained.values())
     missing = {s for ids in trained.values() for s in ids} - stored - q_samples
-    # a trained sample whose shard is gone is not lost if its task was committed again
-    missing_tasks = {task_of[s] for s in missing if s in task_of}
-    lost_samples = sorted(s for s in missing if task_of.get(s) not in committed_tasks)
-    gone_tasks = q_tasks | missing_tasks
+    # A trained sample whose record is gone is not lost if its task was committed again: the
+    # task is in a live shard, and no other trained sample of its first commit is (a record
+    # deleted out of a surviving commit is lost, not regenerated).
+    survivors: dict[int, bool] = {}
+    for s, t in task_of.items():
+        survivors[t] = survivors.get(t, False) or s in stored
+    regenerated_tasks = {task_of[s] for s in missing
+                         if s in task_of and task_of[s] in committed_tasks and not survivors[task_of[s]]}
+    lost_samples = sorted(s for s in missing if task_of.get(s) not in regenerated_tasks)
+    gone_tasks = q_tasks | regenerated_tasks
     unregenerated = sorted(q_tasks - committed_tasks)
     report = {
         "tasks": len(committed_tasks),

@@ -241,6 +241,8 @@ def run_bench(workers: int = 8, clients_per_process: int = 8, seconds: float = 2
         "p50_commit_ms": float(np.percentile(lat, 50) * 1e3),
         "p99_commit_ms": float(np.percentile(lat, 99) * 1e3),
         "dataflow_stored": status["policies"]["policy"]["stored"],
+        # every acknowledged trajectory must be stored (more may be: commits whose ack was not read)
+        "acknowledged_not_stored": max(0, committed - status["policies"]["policy"]["stored"]),
         "dataflow_rejected": {k: v for k, v in status["protocol"]["counters"].items() if k.startswith(("rejected", "error"))},
         "ceilings": ceilings,
         "cpu_s": {"dataflow": sum(status["process"][k] - before[k] for k in ("cpu_user_s", "cpu_sys_s")),

@@ -150,6 +150,14 @@ def _bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_fuzz(args: argparse.Namespace) -> int:
+    from astraflow.bench.fuzz import run_bench
+
+    result = run_bench(args.seconds, args.max_messages, args.fuzzers, args.seed)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0 if result["rank_alive"] and not result["correct_client"]["n_failures"] else 1
+
+
 def _bench_multipolicy(args: argparse.Namespace) -> int:
     from astraflow.bench.multipolicy import run_bench
 
@@ -289,6 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_elastic)
+
+    b = bsub.add_parser("fuzz", help="hostile messages against a live dataflow rank while a correct client works")
+    b.add_argument("--seconds", type=float, default=60.0)
+    b.add_argument("--max-messages", type=int, default=10**9)
+    b.add_argument("--fuzzers", type=int, default=2, help="fuzzer processes (half of them hold the run secret)")
+    b.add_argument("--seed", type=int)
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.set_defaults(fn=_bench_fuzz)
 
     b = bsub.add_parser("multipolicy", help="seconds per iteration of co-training, async against sync schedule")
     b.add_argument("--config", default="configs/multi_policy.yaml")

@@ -43,6 +43,10 @@ class DataflowConfig:
     # Replay window: a signed message older than this (sender's wall clock) is refused.
     max_clock_skew_s: float = 300.0
     status_window_s: float = runtime(30.0)
+    # Buffered trajectories are kept in memory up to this much (about 14 bytes a token);
+    # beyond it they are read back from their shard when served, so the rank's memory does
+    # not grow with the buffer.
+    payload_cache_mb: float = 1024.0
 
 
 @dataclass(frozen=True)

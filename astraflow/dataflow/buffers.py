@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
 READY, FILTERED, SERVED, CONSUMED, DROPPED = range(5)
+TOKEN_BYTES = 14  # a token's share of a TrajectoryBatch: token, logprob, mask, version, policy
 STATE_NAMES = ("ready", "filtered", "served", "consumed", "dropped")
 
 
@@ -34,6 +35,7 @@ class SampleInfo:
     loc: tuple[int, int]
     payload: Any = None  # (TrajectoryBatch, index) while READY/SERVED; else reread from the shard
     state: int = READY
+    tokens: int = 0  # its length, for the memory held by cached payloads
 
 
 @dataclass
@@ -51,14 +53,22 @@ class PolicyBuffer:
     trainer_version: int = 0
     reward_sum: float = 0.0  # of every sample added since `generated_reward()` was last read
     reward_count: int = 0
+    cached_tokens: int = 0  # tokens of the payloads held in memory
+
+    def _release(self, info: SampleInfo, state: int) -> None:
+        if info.payload is not None:
+            self.cached_tokens -= info.tokens
+        info.state, info.payload = state, None
 
     def add(self, info: SampleInfo, filtered: bool, reward: float) -> None:
         self.samples[info.sample_id] = info
         self.counts["stored"] += 1
         self.reward_sum += reward
         self.reward_count += 1
+        if info.payload is not None:
+            self.cached_tokens += info.tokens
         if filtered:
-            info.state, info.payload = FILTERED, None
+            self._release(info, FILTERED)
             self.counts["filtered"] += 1
         else:
             self.ready.append(info.sample_id)
@@ -86,7 +96,7 @@ class PolicyBuffer:
             if info.state != READY:
                 continue
             if info.version_min < floor:
-                info.state, info.payload = DROPPED, None
+                self._release(info, DROPPED)
                 self.counts["dropped_stale"] += 1
                 continue
             picked.append(sid)
@@ -116,7 +126,7 @@ class PolicyBuffer:
                 info.state = SERVED  # acknowledged without a visible serve (dataflow restarted)
             if info.state != CONSUMED:
                 self.counts["consumed"] += 1
-            info.state, info.payload = CONSUMED, None
+            self._release(info, CONSUMED)
         self.served.pop(step, None)
         self.consumed[step] = list(ids)
         self.trainer_step = max(self.trainer_step, step)
@@ -144,6 +154,11 @@ class PolicyBuffer:
     def state_counts(self) -> dict[str, int]:
         states = np.fromiter((i.state for i in self.samples.values()), dtype=np.int8, count=len(self.samples))
         return {STATE_NAMES[s]: int((states == s).sum()) for s in range(len(STATE_NAMES))}
+
+
+def cached_mb(buffers: Iterable["PolicyBuffer"]) -> float:
+    """Memory held by the payloads the buffers keep (about)."""
+    return sum(b.cached_tokens for b in buffers) * TOKEN_BYTES / (1 << 20)
 
 
 def group_stats(rewards: np.ndarray) -> tuple[float, float, np.ndarray]:

@@ -23,7 +23,8 @@ import numpy as np
 
 from astraflow.config.schema import Config
 from astraflow.dataflow import schedule
-from astraflow.dataflow.buffers import CONSUMED, FILTERED, READY, PolicyBuffer, SampleInfo, group_stats
+from astraflow.dataflow.buffers import (CONSUMED, FILTERED, READY, PolicyBuffer, SampleInfo, cached_mb,
+                                       group_stats)
 from astraflow.dataflow.leases import TaskTable
 from astraflow.dataflow.status import WaitTracker, build_status
 from astraflow.tasks.sources import TaskSource
@@ -329,6 +330,9 @@ class DataflowState:
         policy_idx = batch.rows["policy"]
         lengths = batch.rows["length"]
         locs = self.store.append(batch)
+        keep = cached_mb(self.buffers.values()) < self.cfg.dataflow.payload_cache_mb
+        if not keep:
+            self.counters["payload_not_cached"] += n
         for pi in np.unique(policy_idx):
             policy = self.policy_names[pi]
             members = np.flatnonzero(policy_idx == pi)
@@ -336,7 +340,8 @@ class DataflowState:
             filtered = self._filtered(policy, rewards[members], std)
             buf = self.buffers[policy]
             for j, a in zip(members, adv):
-                buf.add(SampleInfo(int(sids[j]), tid, int(vmin[j]), float(a), mean, std, locs[j], (trajs, int(j))),
+                buf.add(SampleInfo(int(sids[j]), tid, int(vmin[j]), float(a), mean, std, locs[j],
+                                   (trajs, int(j)) if keep else None, tokens=int(lengths[j])),
                         filtered, float(rewards[j]))
         self.tasks.complete(tid)
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)

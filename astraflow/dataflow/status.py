@@ -22,6 +22,8 @@ import time
 from collections import defaultdict, deque
 from typing import TYPE_CHECKING, Any
 
+from astraflow.dataflow.buffers import cached_mb
+
 if TYPE_CHECKING:
     from astraflow.dataflow.state import DataflowState
 
@@ -95,7 +97,8 @@ def build_status(state: "DataflowState", now: float) -> dict[str, Any]:
         "policies": policies,
         "throughput": {"per_partition": dict(part_rates)},
         "store": {"active_shard": state.store.active_shard, "quarantined": list(state.store.quarantined),
-                  "lost_samples": state.lost_samples},
+                  "lost_samples": state.lost_samples,
+                  "payload_cache_mb": cached_mb(state.buffers.values())},
         "protocol": {"counters": dict(state.counters)},
         "process": _process_usage(),
     }

@@ -65,7 +65,10 @@ class Codec:
     def pack(self, msg: Any, client_id: bytes, seq: int, kind: str | None = None) -> list[bytes]:
         kind = kind or type(msg).__name__.lower()
         payload = msgpack.packb([kind, client_id, seq, time.time(), encode(msg)], use_bin_type=True)
-        return [payload, hmac.digest(self._secret, payload, hashlib.sha256)]
+        return [payload, self.sign(payload)]
+
+    def sign(self, payload: bytes) -> bytes:
+        return hmac.digest(self._secret, payload, hashlib.sha256)
 
     # ------------------------------------------------------------ receiving
     def open(self, frames: list[bytes]) -> Envelope:

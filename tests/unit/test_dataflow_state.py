@@ -208,3 +208,23 @@ def test_drained_worker_is_told_to_retire_and_leaving_hands_everything_back(env)
     assert set(held) <= set(state.tasks.queued)
     listed = {w["base"]: w for w in state.handle(m.Status()).status["workers"]["list"]}
     assert listed["a"]["draining"] and not listed["b"]["draining"]
+
+
+def test_payloads_beyond_the_memory_budget_are_served_from_their_shard(tmp_path):
+    run = make_run(tmp_path, ["tasks.group_size=4", "dataflow.payload_cache_mb=0.0005"])  # ~37 tokens
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    w = register(state)
+    sent = {}
+    for task in state.handle(m.Lease(w, 2)).tasks:
+        batch = group(task.task_id, [0, 1, 0, 1], tokens=12)
+        sent[task.task_id] = batch
+        state.handle(m.Commit(w, task.task_id, batch))
+    buf = state.buffers["policy"]
+    assert buf.cached_tokens <= 4 * 12 and state.counters["payload_not_cached"] > 0  # the first commit only
+    state.flush()
+    reply = state.handle(m.Batch("policy", 1, 8, 0, 1, 0))
+    served = sorted(tuple(reply.trajectories.trajectory(i).tokens.tolist()) for i in range(8))
+    expected = sorted(tuple(b.trajectory(i).tokens.tolist()) for b in sent.values() for i in range(4))
+    assert served == expected  # the uncached ones came back from the shard, intact
+    state.close()

@@ -1,0 +1,67 @@
+"""`astraflow audit` on a real run directory written by the dataflow rank's state machine:
+ok as written; not ok once a duplicate record is injected or a trained record deleted."""
+from __future__ import annotations
+
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from astraflow.analysis.audit import audit
+from astraflow.bench.payload import random_trajectory
+from astraflow.dataflow.state import DataflowState
+from astraflow.protocol import messages as m
+from astraflow.store.writer import list_shards
+from tests.conftest import make_run
+
+
+@pytest.fixture
+def trained_run(tmp_path):
+    """Eight tasks committed, two trainer steps of 16 samples consumed, everything flushed."""
+    run = make_run(tmp_path, ["tasks.group_size=4"])
+    state = DataflowState(run.path, run.config, clock=lambda: 1000.0)
+    state.recover()
+    worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 8)).worker_id
+    rng = np.random.default_rng(0)
+    for task in state.handle(m.Lease(worker, 8)).tasks:
+        trajs = [random_trajectory(rng, "policy", 8, prompt_tokens=2, reward=float(i % 2), group_id=task.task_id)
+                 for i in range(4)]
+        state.handle(m.Commit(worker, task.task_id, m.TrajectoryBatch.from_trajectories(trajs)))
+    for step in (1, 2):
+        ids = state.handle(m.Batch("policy", step, 16, 0, 1, step - 1)).sample_ids.tolist()
+        state.handle(m.Published("policy", step, f"file:///x/v{step}", []))
+        state.handle(m.Consumed("policy", step, ids))
+    state.flush()
+    state.close()
+    return run.path
+
+
+def test_audit_of_an_intact_run_is_ok(trained_run):
+    report = audit(trained_run)
+    assert report["ok"] and report["tasks"] == 8 and report["committed"] == 32
+    assert report["trained"] == {"policy": 32} and report["duplicates"] == report["lost"] == 0
+
+
+def test_an_injected_duplicate_record_is_reported(trained_run):
+    (shard,) = list_shards(trained_run / "shards")
+    shutil.copy(shard, shard.with_name("shard-000009.h5"))  # every record stored a second time
+    report = audit(trained_run)
+    assert not report["ok"] and report["duplicates"] >= 32
+
+
+def test_a_deleted_trained_record_is_reported_lost(trained_run):
+    (shard,) = list_shards(trained_run / "shards")
+    with h5py.File(shard, "r+", libver="latest") as f:
+        f["rows"].resize((f["rows"].shape[0] - 1,))  # the last record disappears
+    report = audit(trained_run)
+    assert not report["ok"] and report["lost"] == 1
+
+
+def test_a_sample_trained_in_two_steps_is_reported(trained_run):
+    journal = trained_run / "journal" / "journal.jsonl"
+    lines = journal.read_text().splitlines()
+    step1 = next(line for line in lines if '"consumed"' in line and '"step":1' in line.replace(" ", ""))
+    journal.write_text("\n".join(lines + [step1.replace('"step": 1', '"step": 3').replace('"step":1', '"step":3')]) + "\n")
+    report = audit(trained_run)
+    assert not report["ok"] and report["trained_twice"] == 16
