@@ -65,14 +65,20 @@ def audit(run_dir: str | Path) -> dict:
         task_of.update(zip(ev["ids"], ev.get("tasks", [])))
     trained_twice = sum(len(ids) - len(set(ids)) for ids in trained.values())
     missing = {s for ids in trained.values() for s in ids} - stored - q_samples
-    # A trained sample whose record is gone is not lost if its task was committed again: the
-    # task is in a live shard, and no other trained sample of its first commit is (a record
-    # deleted out of a surviving commit is lost, not regenerated).
-    survivors: dict[int, bool] = {}
-    for s, t in task_of.items():
-        survivors[t] = survivors.get(t, False) or s in stored
-    regenerated_tasks = {task_of[s] for s in missing
-                         if s in task_of and task_of[s] in committed_tasks and not survivors[task_of[s]]}
+    # A trained sample whose record is gone is not lost if its task was committed again by a
+    # later incarnation of the rank (sample ids are never reused: each incarnation starts
+    # above every id handed out before). A row of the task from the sample's own incarnation
+    # means its commit survives, and the record was deleted out of it: lost.
+    starts = sorted(ev["first_sample"] for ev in replay(run_dir / "journal")
+                    if ev.get("ev") == "start" and "first_sample" in ev)
+    first_live = df.groupby("task_id")["sample_id"].min().to_dict()
+
+    def regenerated(s: int) -> bool:
+        t = task_of.get(s)
+        later = next((b for b in starts if b > s), None)
+        return t in first_live and later is not None and first_live[t] >= later
+
+    regenerated_tasks = {task_of[s] for s in missing if regenerated(s)}
     lost_samples = sorted(s for s in missing if task_of.get(s) not in regenerated_tasks)
     gone_tasks = q_tasks | regenerated_tasks
     unregenerated = sorted(q_tasks - committed_tasks)

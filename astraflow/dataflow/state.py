@@ -39,6 +39,7 @@ from astraflow.store.writer import RowBatch, StoreOptions
 log = logging.getLogger(__name__)
 
 TASK_HWM_BLOCK = 1024  # task ids are journalled in blocks: one journal line per 1024 tasks
+SAMPLE_HWM_BLOCK = 1 << 16  # sample ids likewise
 
 
 MB = 1 << 20
@@ -81,6 +82,7 @@ class DataflowState:
         self.counters: Counter[str] = Counter()
         self.lost_samples = 0
         self.next_sample_id = 0
+        self.sample_hwm = 0
         self.task_hwm = 0
         self.incarnation = 0
         self._handlers = {
@@ -121,6 +123,8 @@ class DataflowState:
             kind = ev.get("ev")
             if kind == "start":
                 self.incarnation = ev["incarnation"]
+            elif kind == "samples":
+                self.sample_hwm = max(self.sample_hwm, ev["hwm"])
             elif kind == "tasks":
                 high_water = max(high_water, ev["hwm"])
             elif kind == "register":
@@ -152,7 +156,10 @@ class DataflowState:
         self.task_hwm = high_water
         self.tasks.recover(done, high_water)
         self.incarnation += 1
-        self.journal.append("start", incarnation=self.incarnation, time=time.time())
+        # Sample ids are never reused, not even those of a shard lost since: a new incarnation
+        # starts above every id the journal says was handed out (journalled in blocks).
+        self.next_sample_id = max(self.next_sample_id, self.sample_hwm)
+        self.journal.append("start", incarnation=self.incarnation, time=time.time(), first_sample=self.next_sample_id)
         self.journal.flush()
         log.info("recovered: %d tasks done, %d samples, %d queued tasks, %d quarantined shards",
                  len(done), self.next_sample_id, len(self.tasks.queued), len(self.store.quarantined))
@@ -364,6 +371,9 @@ class DataflowState:
         vmax = np.where(has_own, vmax, fallback).astype(np.int32)
         sids = np.arange(self.next_sample_id, self.next_sample_id + n, dtype=np.int64)
         self.next_sample_id += n
+        if self.next_sample_id > self.sample_hwm:
+            self.sample_hwm = self.next_sample_id + SAMPLE_HWM_BLOCK
+            self.journal.append("samples", hwm=self.sample_hwm)
         rows = {"sample_id": sids, "task_id": np.full(n, tid, np.int64), "episode_id": trajs.episode_id,
                 "group_id": trajs.group_id,
                 "policy": np.array([self.policy_index[p] for p in trajs.policy], np.uint8),

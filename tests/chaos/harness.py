@@ -9,6 +9,7 @@ dataflow rank, whose journal and shards are what is being checked.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -70,11 +71,14 @@ def wait_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout_s: float =
 
 def finish(proc: subprocess.Popen, timeout_s: float = 300) -> tuple[str, str]:
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        return proc.communicate(timeout=timeout_s)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    return out, err
+        if proc.poll() is None:  # timed out: stop it the way a user would, then for sure
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # its components die with it (PR_SET_PDEATHSIG)
 
 
 def check_ledgers_and_audit(run_dir: Path, lost_shards: bool = False) -> dict:
