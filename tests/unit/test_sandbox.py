@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from astraflow.sandbox import Limits, Result, Sandbox
-from tests.conftest import REPO
 
 why_not = Sandbox.check()
 if why_not and os.environ.get("CI") != "true":
@@ -76,9 +75,9 @@ def test_no_writes_outside_its_directory(tmp_path):
 
 
 def test_hidden_run_directory_and_its_secret_are_not_there():
-    # outside /tmp (the sandbox has its own) and readable by anyone on the host: only the
-    # mount namespace keeps the secret out of reach
-    run_dir = Path(tempfile.mkdtemp(prefix=".sandbox-test-", dir=REPO))
+    # outside /tmp (the sandbox has its own; a checkout may live there) and readable by
+    # anyone on the host: only the mount namespace keeps the secret out of reach
+    run_dir = Path(tempfile.mkdtemp(prefix="astraflow-sandbox-test-", dir="/var/lib"))
     try:
         os.chmod(run_dir, 0o755)
         (run_dir / "secret").write_text("s3cret")
