@@ -11,6 +11,7 @@ component picks up from the run directory (shards, journal, checkpoints).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -24,7 +25,15 @@ from astraflow.protocol.client import wait_rendezvous
 POLL_S = 0.5
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_local(config: str | None, run_dir: str | None, overrides: list[str], quiet: bool = False) -> dict:
+    # Ctrl-C and SIGTERM stop the run cleanly (resumable), also when it was started in the
+    # background, where a shell leaves SIGINT ignored (a chaos test's Ctrl-C did nothing there)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     if run_dir is None:
         if config is None:
             raise SystemExit("astraflow run: give a config file or --run-dir of an existing run")

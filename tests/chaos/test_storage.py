@@ -67,7 +67,7 @@ def test_full_filesystem_stops_the_run_cleanly_and_it_resumes_when_there_is_room
 
 
 def test_truncated_shard_and_garbage_weights_are_detected_and_handled(tmp_path):
-    proc, run_dir = start(tmp_path, steps=16, extra=["store.shard_max_mb=0.05"])
+    proc, run_dir = start(tmp_path, steps=30, extra=["store.shard_max_mb=0.05"])
     try:
         wait_steps(proc, run_dir, 8)
         proc.send_signal(signal.SIGINT)  # stop; resume later from the run directory
@@ -99,6 +99,6 @@ def test_truncated_shard_and_garbage_weights_are_detected_and_handled(tmp_path):
     assert tasks <= set(load_rows(run_dir)["task_id"].tolist())  # every task of it committed again
     trainer_log = (run_dir / "logs" / "trainer-policy.log").read_text()
     assert f"republishing {weights.name} from the checkpoint" in trainer_log
-    assert json.loads(out[out.index("{"):])["steps"] == 16
+    assert json.loads(out[out.index("{"):])["steps"] == 30
     report = check_ledgers_and_audit(run_dir, lost_shards=True)
     assert report["regenerated"] >= len(trained_tasks)  # trained samples gone, their tasks done again
