@@ -1,6 +1,7 @@
 """Shared fixtures: real run directories, a real dataflow rank process, real clients."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from astraflow.config.rundir import RunDir
@@ -90,6 +92,14 @@ def client(run: RunDir, timeout_s: float = 10.0) -> Client:
 def register(c: Client, worker_id: str = "w0", policies: tuple[str, ...] = ("policy",)) -> str:
     reply = c.call(m.Register(m.PROTOCOL_VERSION, worker_id, list(policies), capacity=4, partition="local"))
     return reply.worker_id
+
+
+def parity_prompts(path: Path) -> Path:
+    """A JSONL task a tiny model learns from a random init within seconds: a number's parity."""
+    rng = np.random.default_rng(0)
+    path.write_text("".join(json.dumps({"prompt": f"{a}?", "answer": str(a % 2)}) + "\n"
+                            for a in rng.choice(1000, 800, replace=False)))
+    return path
 
 
 def component_pids(run_dir: Path, role: str) -> list[int]:

@@ -116,9 +116,8 @@ class TorchTrainer:
             self.call(m.Published(self.policy, self.step, uri, checkpoint_steps(self.ckpt_dir)))
 
     def run_loop(self) -> None:
-        if self.rank == 0:
-            self.republish_if_damaged()
         if self.rank == 0:  # one Ready per group: a second one would hand back what rank 0 was served
+            self.republish_if_damaged()
             ready = self.call(m.Ready(m.PROTOCOL_VERSION, self.policy, self.step,
                                       hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
                                       partition=partition(), world=self.world))

@@ -15,12 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 from astraflow.analysis.audit import audit, lineage
 from astraflow.analysis.metrics import read_metrics
 from astraflow.store.reader import load_rows
-from tests.conftest import REPO
+from tests.conftest import REPO, parity_prompts
 
 BATCH = 64
 # groups of 8 and batches of 64, as in tests/integration/test_local_run.py: with groups of 4
@@ -32,13 +31,6 @@ BASE = [f"trainer.batch_size={BATCH}", "trainer.checkpoint_every=3", "trainer.lr
         "tasks.warmup=100", "tasks.kind=jsonl", "engine.max_tokens=3", "engine.kind=hf",
         "launcher.backoff_s=0.2", "launcher.max_restarts=10", "dataflow.heartbeat_timeout_s=3",
         "dataflow.lease_s=4", "rollout.workers=2", "rollout.concurrency=8"]
-
-
-def parity_prompts(path: Path) -> Path:
-    rng = np.random.default_rng(0)
-    path.write_text("".join(json.dumps({"prompt": f"{a}?", "answer": str(a % 2)}) + "\n"
-                            for a in rng.choice(1000, 800, replace=False)))
-    return path
 
 
 def start(tmp_path: Path, steps: int, extra: list[str] = (), run_dir: Path | None = None) -> tuple[subprocess.Popen, Path]:

@@ -16,7 +16,7 @@ import pytest
 from astraflow.analysis.plot import plot_run
 from astraflow.store.journal import replay
 from astraflow.store.reader import ShardReader, iter_shards, load_rows
-from tests.conftest import REPO, component_pids
+from tests.conftest import REPO, component_pids, parity_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -28,13 +28,6 @@ OVERRIDES = [f"trainer.steps={STEPS}", f"trainer.batch_size={BATCH}", "trainer.c
              "trainer.lr=0.003", "warmup.steps=0", "tasks.warmup=0", "tasks.kind=jsonl", "engine.max_tokens=3",
              "launcher.backoff_s=0.2", "dataflow.heartbeat_timeout_s=3", "dataflow.lease_s=5",
              "rollout.workers=2", "rollout.concurrency=8", "engine.kind=hf"]
-
-
-def parity_prompts(path: Path) -> Path:
-    rng = np.random.default_rng(0)
-    path.write_text("".join(json.dumps({"prompt": f"{a}?", "answer": str(a % 2)}) + "\n"
-                            for a in rng.choice(1000, 800, replace=False)))
-    return path
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
