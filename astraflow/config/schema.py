@@ -139,6 +139,7 @@ class EngineConfig:
     temperature: float = 1.0
     threads: int = 1  # torch threads per engine process
     max_batch: int = 256
+    batch_wait_ms: float = 5.0  # how long a batch may wait to fill (see engines/batching.py)
 
 
 @dataclass(frozen=True)

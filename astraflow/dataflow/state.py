@@ -11,6 +11,7 @@ restart counters and the task high-water mark from the journal.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 TASK_HWM_BLOCK = 1024  # task ids are journalled in blocks: one journal line per 1024 tasks
 SAMPLE_HWM_BLOCK = 1 << 16  # sample ids likewise
+STARVING_S = 30.0  # a trainer waiting this long for a batch gets a warning saying why, this often
 
 
 MB = 1 << 20
@@ -80,6 +82,7 @@ class DataflowState:
         self.waits = {p: WaitTracker() for p in self.policy_names}
         self.trainers: dict[str, dict[str, Any]] = {}
         self.counters: Counter[str] = Counter()
+        self.starving: dict[str, tuple[float, dict[str, int]]] = {}  # policy: (last warning, counts then)
         self.lost_samples = 0
         self.next_sample_id = 0
         self.sample_hwm = 0
@@ -201,6 +204,27 @@ class DataflowState:
             self.counters["workers_dead"] += 1
             log.warning("worker %s silent for %.0fs: declared dead, %d leases handed back",
                         w.worker_id, now - w.last_seen, len(released))
+        self._warn_starving(now)
+
+    def _warn_starving(self, now: float) -> None:
+        """A trainer that waits and waits is a stopped run: say in the log what its samples became.
+
+        The usual cause is a policy that answers each prompt alike (it solved the task, or it
+        collapsed): every group then has zero advantage and is filtered, however fast the workers go."""
+        for policy, wait in self.waits.items():
+            if wait.waiting_since is None:
+                self.starving.pop(policy, None)
+                continue
+            counts = dict(self.buffers[policy].counts)
+            last, before = self.starving.setdefault(policy, (now, counts))
+            if now - last < STARVING_S:
+                continue
+            self.starving[policy] = (now, counts)
+            delta = {k: counts[k] - before[k] for k in ("stored", "filtered", "dropped_stale")}
+            log.warning("policy %s: its trainer has waited %.0fs for a batch; in the last %.0fs %d samples were "
+                        "stored, %d filtered (zero-advantage groups) and %d dropped as stale; %d ready, %d tasks "
+                        "leased", policy, now - wait.waiting_since, now - last, delta["stored"], delta["filtered"],
+                        delta["dropped_stale"], self.buffers[policy].buffered, len(self.tasks.leased))
 
     def next_deadline(self) -> float | None:
         return self.tasks.next_deadline()
@@ -248,7 +272,13 @@ class DataflowState:
         self._worker(req.worker_id, now).versions = dict(req.versions)
         return m.Ok()
 
+    def _latest(self) -> dict[str, int]:
+        return {p: self.weights.latest(p)[0] for p in self.policy_names}
+
     def _lease(self, req: m.Lease, now: float) -> m.LeaseReply:
+        return dataclasses.replace(self._lease_tasks(req, now), latest=self._latest())
+
+    def _lease_tasks(self, req: m.Lease, now: float) -> m.LeaseReply:
         worker = self._worker(req.worker_id, now)
         worker.versions = dict(req.versions)
         needed = self.cfg.task_policies
@@ -323,7 +353,7 @@ class DataflowState:
             raise RequestError("bad_request", f"task {tid} was never handed out")
         if tid in self.tasks.done:
             self.counters["duplicate_commits"] += 1
-            return m.CommitReply("duplicate", [])
+            return m.CommitReply("duplicate", [], self._latest())
         trajs = req.trajectories
         n = len(trajs)
         if not n:
@@ -352,7 +382,7 @@ class DataflowState:
                         filtered, float(rewards[j]))
         self.tasks.complete(tid)
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
-        return m.CommitReply("stored", sids.tolist())
+        return m.CommitReply("stored", sids.tolist(), self._latest())
 
     def _row_batch(self, req: m.Commit, tid: int) -> tuple[RowBatch, np.ndarray]:
         """Columns for the store, computed with whole-array operations (this is the hot path)."""
@@ -415,6 +445,7 @@ class DataflowState:
                 return None
             ids = buf.take(req.step, req.n, req.version)
             if ids is None:
+                self.starving.setdefault(req.policy, (now, dict(buf.counts)))  # see _warn_starving
                 return None
         if replay:
             buf.counts["replayed"] += len(ids)

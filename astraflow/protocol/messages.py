@@ -24,7 +24,7 @@ import numpy as np
 
 from astraflow.protocol.wire import array_field
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: lease and commit replies carry `latest`
 
 
 @dataclass(frozen=True)
@@ -269,6 +269,7 @@ class LeaseReply:
     # "drained" (all handed out, leased ones may return), "exhausted" (no task will come) or
     # "retire" (this worker is being drained: finish or hand back what it holds, then exit)
     reason: str = ""
+    latest: dict[str, int] = field(default_factory=dict)  # newest published version per policy
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,9 @@ class RenewReply:
 class CommitReply:
     status: str  # "stored" | "duplicate"
     sample_ids: list[int]
+    # newest published version per policy: a worker learns of new weights with every commit,
+    # instead of only when it next polls (a poll interval of lag was a third of all drops)
+    latest: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ class RolloutWorker:
         self.failing = 0  # episode failures in a row
         self.pause_until = 0.0  # no leases before this (monotonic), after episode failures
         self.engine_load_s = 0.0
+        self.newer_weights = asyncio.Event()  # a reply said a newer version is out: load it now
 
     # ------------------------------------------------------------- plumbing
     async def rpc(self, make: Callable[[], Any]) -> Any:
@@ -75,7 +76,9 @@ class RolloutWorker:
             try:
                 if not self.worker_id:
                     await self.register()
-                return await self.client.call(make())
+                reply = await self.client.call(make())
+                self.notice(getattr(reply, "latest", {}))
+                return reply
             except TimeoutError:
                 if self.stopping:  # the rank is gone (the run ended) or unreachable: leave
                     raise WorkerStopped from None
@@ -104,6 +107,13 @@ class RolloutWorker:
             return await EnvironmentClient.builtin(w, seed=self.cfg.run.seed + os.getpid())
         return EnvironmentClient(w.environment, os.environ.get("ASTRAFLOW_ENV_TOKEN", ""))
 
+    def notice(self, latest: dict[str, int]) -> None:
+        """Wake the weights loop when a lease or commit reply names a version not loaded yet
+        (and not refused as damaged: that one waits for the poll)."""
+        for policy, engine in self.engines.items():
+            if latest.get(policy, -1) > engine.version and latest[policy] != self.refused.get(policy):
+                self.newer_weights.set()
+
     def versions(self) -> dict[str, int]:
         return {p: e.version for p, e in self.engines.items()}
 
@@ -131,7 +141,11 @@ class RolloutWorker:
                 reply = await self.rpc(lambda: m.Weights(policy))
                 if reply.version > engine.version:
                     await self.load(policy, engine, reply)
-            await asyncio.sleep(self.cfg.rollout.weight_poll_s)
+            try:
+                await asyncio.wait_for(self.newer_weights.wait(), self.cfg.rollout.weight_poll_s)
+            except TimeoutError:
+                pass
+            self.newer_weights.clear()
 
     async def load(self, policy: str, engine, reply: m.WeightsReply) -> None:
         """Load a new version; a damaged one is refused (logged once) and tried again later —
@@ -175,7 +189,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         self.engines = {p: ENGINES[cfg.engine.kind](str(policy_model_dir(self.rundir.path, cfg, p)),
                                                     max_batch=cfg.engine.max_batch, threads=cfg.engine.threads,
-                                                    seed=cfg.run.seed)
+                                                    seed=cfg.run.seed, batch_wait_s=cfg.engine.batch_wait_ms / 1e3)
                         for p in self.policies}
         self.engine_load_s = time.perf_counter() - t0
         self.acks = open(self.rundir.path / "logs" / f"acks-{self.base_id}.jsonl", "a")

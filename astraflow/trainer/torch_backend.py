@@ -56,6 +56,7 @@ class TorchTrainer:
         self.run, self.cfg, self.policy = run, run.config, policy
         self.tcfg = run.config.trainer_for(policy)
         self.rank, self.world = rank, world
+        self.temperature = run.config.engine.temperature  # the behaviour policy's: see token_logprobs
         torch.set_num_threads(self.tcfg.threads)
         torch.manual_seed(run.config.run.seed + rank)
         self.base_dir = policy_model_dir(run.path, run.config, policy)
@@ -169,16 +170,19 @@ class TorchTrainer:
         wait = time.perf_counter() - t0
         batch = to_tensors(reply, self.codec.pad_id)
         self.model.train()
-        with torch.no_grad():
-            prox = token_logprobs(self.model, batch)
         n = len(batch.advantages)
         per = max(1, n // self.tcfg.minibatches)
+        # the proximal policy is the weights before this step's first update: for the first
+        # minibatch that is its own forward pass, detached; the others are scored up front
+        with torch.no_grad():
+            prox_rest = token_logprobs(self.model, batch.select(slice(per, None)), self.temperature) if n > per else None
         stats = None
         for lo in range(0, n, per):
-            rows = slice(lo, lo + per)
-            mb = batch.select(rows)
-            loss, stats = decoupled_ppo_loss(token_logprobs(self.ddp, mb), prox[rows], mb.behaviour_logp,
-                                             mb.advantages, mb.loss_mask, self.tcfg.clip_eps, self.tcfg.is_cap)
+            mb = batch.select(slice(lo, lo + per))
+            logp = token_logprobs(self.ddp, mb, self.temperature)
+            prox = logp.detach() if lo == 0 else prox_rest[lo - per:lo]
+            loss, stats = decoupled_ppo_loss(logp, prox, mb.behaviour_logp, mb.advantages, mb.loss_mask,
+                                             self.tcfg.clip_eps, self.tcfg.is_cap)
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip))

@@ -57,20 +57,30 @@ def wait_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout_s: float =
     deadline = time.monotonic() + timeout_s
     while steps_done(run_dir) < n:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no step {n} within {timeout_s}s"
+        assert time.monotonic() < deadline, f"no step {n} within {timeout_s}s\n{diagnosis(run_dir)}"
         time.sleep(0.1)
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 300) -> tuple[str, str]:
     try:
         return proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:  # timed out: stop it the way a user would, then for sure
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()  # its components die with it (PR_SET_PDEATHSIG)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # stop it the way a user would, then for sure
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its components die with it (PR_SET_PDEATHSIG)
+        run_dir = Path(proc.args[proc.args.index("--run-dir") + 1])
+        raise AssertionError(f"the run did not finish within {timeout_s}s\n{diagnosis(run_dir)}") from None
+
+
+def diagnosis(run_dir: Path, lines: int = 12) -> str:
+    """The tails of a run's logs and its last metrics: what a failed chaos test reports."""
+    last = [{k: r[k] for k in ("step", "reward_mean", "generated", "wait_s")} for r in read_metrics(run_dir, "policy")[-3:]]
+    parts = [f"--- last steps: {last}"]
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        parts.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
+    return "\n".join(parts)
 
 
 def check_ledgers_and_audit(run_dir: Path, lost_shards: bool = False) -> dict:

@@ -228,3 +228,20 @@ def test_payloads_beyond_the_memory_budget_are_served_from_their_shard(tmp_path)
     expected = sorted(tuple(b.trajectory(i).tokens.tolist()) for b in sent.values() for i in range(4))
     assert served == expected  # the uncached ones came back from the shard, intact
     state.close()
+
+
+def test_a_starving_trainer_gets_a_warning_that_says_its_groups_were_filtered(env, caplog):
+    run, state, clock = env
+    w = register(state)
+    assert state.handle(m.Batch("policy", 1, 8, 0, 1, 0)) is None  # nothing ready: the trainer waits
+    state.waits["policy"].start(clock.t)
+    for _ in range(4):  # the policy answers every prompt alike: every group is filtered
+        (task,) = state.handle(m.Lease(w, 1)).tasks
+        assert state.handle(m.Commit(w, task.task_id, group(task.task_id, [1, 1, 1, 1]))).status == "stored"
+        clock.t += 5
+        state.tick()
+    assert not caplog.records  # 20 s: not yet
+    clock.t += 15
+    state.tick()
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "waited 35s" in warning and "16 samples were stored, 16 filtered" in warning

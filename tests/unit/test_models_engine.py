@@ -13,6 +13,7 @@ from astraflow.models.factory import make_model
 from astraflow.models.tokenizer import TextCodec
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.rollout.engines.hf import HFEngine
+from astraflow.trainer.batch import TrainBatch, token_logprobs
 from astraflow.weights.fs import load_state_dict, path_of, publish
 
 
@@ -22,10 +23,12 @@ def model_dir(tmp_path_factory):
 
 
 def teacher_forced(model, prompt: list[int], tokens: np.ndarray, temperature: float) -> np.ndarray:
+    """The trainer's own scoring (`token_logprobs`) of an engine's completion: with the engine's
+    logprobs equal to it, the on-policy importance ratio is exactly 1."""
     seq = torch.tensor([prompt + tokens.tolist()])
+    batch = TrainBatch(seq, torch.ones_like(seq), seq[:, 1:], *[None] * 5)
     with torch.no_grad():
-        logits = model(seq).logits[0, len(prompt) - 1:-1] / temperature
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None]).squeeze(-1).numpy()
+        return token_logprobs(model, batch, temperature)[0, len(prompt) - 1:].numpy()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

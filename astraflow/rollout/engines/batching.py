@@ -6,6 +6,12 @@ different batches, except for `max_tokens` and `ignore_eos`, which are per reque
 batch (a batch of long-tailed lengths runs together). Batches and weight loads run in a worker thread, one at a time, so the
 event loop keeps serving episodes (tool calls, commits) meanwhile and a reload never lands
 inside a batch. Subclasses implement `generate_batch` and `load_path`.
+
+A batch has a fixed cost that dwarfs its per-sequence cost on small models (the hf engine on
+the tiny model: 14 ms for 8 sequences, 27 ms for 128), and episodes submit in small clumps as
+their commits and leases come back. So the runner waits up to `batch_wait_s` for more
+requests before starting a batch, and starts early once requests stop arriving for
+`QUIET_S` or the batch is full.
 """
 from __future__ import annotations
 
@@ -14,10 +20,12 @@ from pathlib import Path
 
 from astraflow.rollout.engines.base import Completion, SamplingParams
 
+QUIET_S = 0.001
+
 
 class BatchingEngine:
-    def __init__(self, max_batch: int) -> None:
-        self.max_batch = max_batch
+    def __init__(self, max_batch: int, batch_wait_s: float = 0.0) -> None:
+        self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
         self.version = 0
         self._queue: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
         self._wake: asyncio.Event | None = None
@@ -54,11 +62,23 @@ class BatchingEngine:
             self._wake, self._lock = asyncio.Event(), asyncio.Lock()
             self._runner = loop.create_task(self._run())
 
+    async def _gather(self) -> None:
+        """Let a batch fill: until it is full, nothing new came for QUIET_S, or batch_wait_s passed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.batch_wait_s
+        while len(self._queue) < self.max_batch and (left := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(self._wake.wait(), min(QUIET_S, left))
+            except TimeoutError:
+                return
+            self._wake.clear()
+
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
+                await self._gather()
                 temperature = self._queue[0][1].temperature
                 batch = [r for r in self._queue if r[1].temperature == temperature][: self.max_batch]
                 taken = {id(r) for r in batch}

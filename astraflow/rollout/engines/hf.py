@@ -22,8 +22,9 @@ from astraflow.weights.fs import load_state_dict
 
 
 class HFEngine(BatchingEngine):
-    def __init__(self, model_dir: str | Path, max_batch: int = 256, threads: int | None = None, seed: int = 0) -> None:
-        super().__init__(max_batch)
+    def __init__(self, model_dir: str | Path, max_batch: int = 256, threads: int | None = None, seed: int = 0,
+                 batch_wait_s: float = 0.0) -> None:
+        super().__init__(max_batch, batch_wait_s)
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)

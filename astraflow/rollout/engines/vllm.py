@@ -26,8 +26,9 @@ CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING":
 
 
 class VLLMEngine(BatchingEngine):
-    def __init__(self, model_dir: str | Path, max_batch: int = 256, threads: int | None = None, seed: int = 0) -> None:
-        super().__init__(max_batch)
+    def __init__(self, model_dir: str | Path, max_batch: int = 256, threads: int | None = None, seed: int = 0,
+                 batch_wait_s: float = 0.0) -> None:
+        super().__init__(max_batch, batch_wait_s)
         import torch
 
         if not torch.cuda.is_available():
