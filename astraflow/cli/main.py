@@ -166,6 +166,14 @@ def _bench_multipolicy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_staleness(args: argparse.Namespace) -> int:
+    from astraflow.bench.staleness import run_bench
+
+    result = run_bench(args.config, args.seeds, args.target, args.set)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
 def _env_server(args: argparse.Namespace) -> int:
     from astraflow.environments.server import main as serve
 
@@ -313,6 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-zero-latency", action="store_true", help="skip the pair of runs with env latency 0")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_multipolicy)
+
+    b = bsub.add_parser("staleness", help="samples-to-target at the config's max_staleness against 0, over seeds")
+    b.add_argument("--config", default="configs/quickstart.yaml")
+    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    b.add_argument("--target", type=float, default=0.8, help="moving-average generated reward to reach")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for every run")
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.set_defaults(fn=_bench_staleness)
     return parser
 
 

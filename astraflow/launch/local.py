@@ -48,13 +48,14 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     os.environ["ASTRAFLOW_SESSION"] = f"local-{os.getpid()}-{int(started)}"
     sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
     t_components = time.time()
+    workers: list[str] = []
     try:
         sup.add(components.dataflow(run, local=True))
         wait_rendezvous(run.path, timeout_s=60, newer_than=t_components)
         trainers = [sup.add(components.trainer(run, p, list(range(cfg.trainer.world)), cfg.trainer.world)).name
                     for p in cfg.policy_names]
-        for i in range(cfg.rollout.workers):
-            sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}", cfg.worker_policies(i)))
+        workers = [sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}", cfg.worker_policies(i))).name
+                   for i in range(cfg.rollout.workers)]
         progress = Progress(run, quiet)
         remaining = set(trainers)
         while remaining:
@@ -67,8 +68,10 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
         sup.stop()
         raise SystemExit(f"astraflow run: {e}") from None
     except KeyboardInterrupt:
+        sup.stop(workers)
         sup.stop()
         raise SystemExit(f"astraflow run: interrupted; resume with `astraflow run --run-dir {run.path}`") from None
+    sup.stop(workers)  # first, so that they hand their leases back to a rank still listening
     sup.stop()
     wall = time.time() - started
     return write_summary(run, status, wall_s=wall, components_s=time.time() - t_components)

@@ -22,7 +22,7 @@ TARGET = 0.8
 WINDOW = 5
 
 
-def policy_summary(rows: list[dict], t_start: float) -> dict:
+def policy_summary(rows: list[dict], t_start: float, target: float = TARGET) -> dict:
     if not rows:
         return {"steps": 0}
     # reward of everything generated (filtered groups included), carried forward over steps
@@ -34,7 +34,7 @@ def policy_summary(rows: list[dict], t_start: float) -> dict:
     k = max(1, len(rows) // 10)
     samples = np.cumsum([r["samples"] for r in rows])
     moving = np.convolve(rewards, np.ones(WINDOW) / WINDOW, mode="valid") if len(rows) >= WINDOW else rewards[-1:]
-    hit = np.flatnonzero(moving >= TARGET)
+    hit = np.flatnonzero(moving >= target)
     first = int(hit[0]) + (WINDOW - 1 if len(rows) >= WINDOW else len(rows) - 1) if len(hit) else None
     return {"steps": int(rows[-1]["step"]), "reward_first": float(rewards[:k].mean()),
             "reward_last": float(rewards[-k:].mean()),

@@ -114,6 +114,12 @@ class RolloutWorker:
             if latest.get(policy, -1) > engine.version and latest[policy] != self.refused.get(policy):
                 self.newer_weights.set()
 
+    async def weights_changed(self, held: dict[str, int], timeout_s: float) -> None:
+        """Wait until the engines run other weights than `held`, for at most timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while self.versions() == held and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
     def versions(self) -> dict[str, int]:
         return {p: e.version for p, e in self.engines.items()}
 
@@ -237,7 +243,8 @@ class RolloutWorker:
                 if not self.inflight:
                     await asyncio.sleep(self.pause_until - time.monotonic())
             if free > 0:
-                reply = await self.rpc(lambda: m.Lease(self.worker_id, free, self.versions()))
+                held = self.versions()
+                reply = await self.rpc(lambda: m.Lease(self.worker_id, free, held))
                 for task in reply.tasks:
                     self.inflight[task.task_id] = asyncio.get_running_loop().create_task(self.episode(task))
                 if reply.reason == "exhausted" and not self.inflight:
@@ -248,7 +255,11 @@ class RolloutWorker:
                     return
                 if reply.tasks:
                     continue
-                await asyncio.sleep(max(0.02, reply.retry_after_s))
+                if reply.reason == "stale_weights":  # ask again as soon as newer ones are loaded
+                    self.newer_weights.set()
+                    await self.weights_changed(held, reply.retry_after_s)
+                else:
+                    await asyncio.sleep(max(0.02, reply.retry_after_s))
             if self.inflight:
                 await asyncio.wait(list(self.inflight.values()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
 

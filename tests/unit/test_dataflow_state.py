@@ -245,3 +245,15 @@ def test_a_starving_trainer_gets_a_warning_that_says_its_groups_were_filtered(en
     state.tick()
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "waited 35s" in warning and "16 samples were stored, 16 filtered" in warning
+
+
+def test_lease_and_commit_replies_name_the_newest_weights(env):
+    run, state, clock = env
+    w = register(state)
+    reply = state.handle(m.Lease(w, 1))
+    assert reply.latest == {"policy": -1}  # nothing published yet
+    state.handle(m.Published("policy", 3, "file:///nowhere/v3", []))
+    (task,) = reply.tasks
+    assert state.handle(m.Commit(w, task.task_id, group(task.task_id, [0, 1, 0, 1]))).latest == {"policy": 3}
+    state.handle(m.Published("policy", 4, "file:///nowhere/v4", []))
+    assert state.handle(m.Lease(w, 1, {"policy": 3})).latest == {"policy": 4}

@@ -11,7 +11,7 @@ A batch has a fixed cost that dwarfs its per-sequence cost on small models (the 
 the tiny model: 14 ms for 8 sequences, 27 ms for 128), and episodes submit in small clumps as
 their commits and leases come back. So the runner waits up to `batch_wait_s` for more
 requests before starting a batch, and starts early once requests stop arriving for
-`QUIET_S` or the batch is full.
+`quiet_s` or the batch is full.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ QUIET_S = 0.001
 
 
 class BatchingEngine:
-    def __init__(self, max_batch: int, batch_wait_s: float = 0.0) -> None:
-        self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
+    def __init__(self, max_batch: int, batch_wait_s: float = 0.0, quiet_s: float = QUIET_S) -> None:
+        self.max_batch, self.batch_wait_s, self.quiet_s = max_batch, batch_wait_s, quiet_s
         self.version = 0
         self._queue: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
         self._wake: asyncio.Event | None = None
@@ -63,12 +63,12 @@ class BatchingEngine:
             self._runner = loop.create_task(self._run())
 
     async def _gather(self) -> None:
-        """Let a batch fill: until it is full, nothing new came for QUIET_S, or batch_wait_s passed."""
+        """Let a batch fill: until it is full, nothing new came for quiet_s, or batch_wait_s passed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.batch_wait_s
         while len(self._queue) < self.max_batch and (left := deadline - loop.time()) > 0:
             try:
-                await asyncio.wait_for(self._wake.wait(), min(QUIET_S, left))
+                await asyncio.wait_for(self._wake.wait(), min(self.quiet_s, left))
             except TimeoutError:
                 return
             self._wake.clear()
