@@ -50,9 +50,13 @@ def test_sigkill_worker_trainer_and_dataflow_rank_twice_each(tmp_path):
 
 
 def test_worker_hung_past_its_lease_is_replaced_and_its_late_commits_are_not_stored_twice(tmp_path):
-    proc, run_dir = start(tmp_path, steps=20)
+    proc, run_dir = start(tmp_path, steps=200)  # long enough to go on well past the hang
     try:
         wait_steps(proc, run_dir, 2)
+        deadline = time.monotonic() + 60
+        while len([p for p in (run_dir / "logs").glob("acks-*.jsonl") if p.stat().st_size]) < 2:
+            assert time.monotonic() < deadline, "both workers should have committed by now"
+            time.sleep(0.1)  # the hung worker must hold leases: it has registered and committed
         (pid, *_) = component_pids(run_dir, "rollout")
         os.kill(pid, signal.SIGSTOP)
         time.sleep(6)  # past lease_s (4) and heartbeat_timeout_s (3): declared dead, leases re-handed
