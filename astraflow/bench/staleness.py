@@ -6,7 +6,8 @@ The measure is samples-to-target: trained samples until the moving average of th
 reward first reaches `--target` (the summary's definition, `launch/summary.py`); a run that
 never reaches it counts as infinitely many. Per arm: the median over seeds, and the
 generated, trained and dropped counts of every run. Only `run.seed` and `max_staleness`
-differ between runs; the rest of the config is the same.
+differ between runs; the rest of the config is the same. For single-policy configs: only the
+first policy's `max_staleness` is set.
 """
 from __future__ import annotations
 
