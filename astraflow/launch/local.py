@@ -18,7 +18,7 @@ from pathlib import Path
 from astraflow.config.rundir import RunDir
 from astraflow.launch import components
 from astraflow.launch.progress import Progress
-from astraflow.launch.summary import write_summary
+from astraflow.launch.summary import start_eval, write_summary
 from astraflow.launch.supervisor import ComponentFailed, Supervisor
 from astraflow.protocol.client import wait_rendezvous
 
@@ -71,7 +71,7 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
         sup.stop(workers)
         sup.stop()
         raise SystemExit(f"astraflow run: interrupted; resume with `astraflow run --run-dir {run.path}`") from None
+    evaluation = start_eval(run)  # it reads only the published weights: it runs while the rest stops
     sup.stop(workers)  # first, so that they hand their leases back to a rank still listening
     sup.stop()
-    wall = time.time() - started
-    return write_summary(run, status, wall_s=wall, components_s=time.time() - t_components)
+    return write_summary(run, status, started, t_components, time.time(), evaluation)

@@ -4,7 +4,8 @@ reward_first / reward_last: mean training reward over the first / last 10% of st
 time_to_target_s / samples_to_target: the first moment the moving average (5 steps) of the
 training reward reaches `TARGET`; samples_per_s: completions trained on per second of the
 components' wall time; eval_accuracy: greedy accuracy of the last published weights on the
-held-out prompts (eval_accuracy_base: the same for the starting weights).
+held-out prompts (eval_accuracy_base: the same for the starting weights); wall_s: from the
+start of the run (model build and warm-up included) to the end of that evaluation.
 """
 from __future__ import annotations
 
@@ -45,14 +46,23 @@ def policy_summary(rows: list[dict], t_start: float, target: float = TARGET) -> 
             "trained": int(samples[-1])}
 
 
-def write_summary(run: RunDir, status: dict, wall_s: float, components_s: float) -> dict:
-    t_start = time.time() - components_s
+def start_eval(run: RunDir) -> subprocess.Popen:
+    """`astraflow eval` as a child process. It needs only the published weights, so it can run
+    while the components are still being stopped."""
     with open(run.path / "logs" / "eval.log", "a") as log:
-        out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "eval", "--run-dir", str(run.path)],
-                             stdout=log, stderr=subprocess.STDOUT)
-    evals = (json.loads((run.path / "eval.json").read_text()) if out.returncode == 0
+        return subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "eval", "--run-dir", str(run.path)],
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def write_summary(run: RunDir, status: dict, started: float, t_components: float, t_stopped: float,
+                  evaluation: subprocess.Popen | None = None) -> dict:
+    """`started`: when the run (model build included) began; `t_components` / `t_stopped`:
+    when its components started / were stopped. wall_s runs to the end of the evaluation."""
+    evaluation = evaluation or start_eval(run)
+    evals = (json.loads((run.path / "eval.json").read_text()) if evaluation.wait() == 0
              else {"eval_error": f"evaluation failed; see {run.path / 'logs' / 'eval.log'}"})
-    policies = {p: policy_summary(read_metrics(run.path, p), t_start) for p in run.config.policy_names}
+    components_s = t_stopped - t_components
+    policies = {p: policy_summary(read_metrics(run.path, p), t_components) for p in run.config.policy_names}
     first = next(iter(policies.values()))
     counts = status["policies"]
     trained = sum(v.get("trained", 0) for v in policies.values())
@@ -60,7 +70,7 @@ def write_summary(run: RunDir, status: dict, wall_s: float, components_s: float)
         **{k: first.get(k) for k in ("reward_first", "reward_last", "steps", "time_to_target_s",
                                       "samples_to_target", "completion_len")},
         **evals,
-        "wall_s": wall_s,
+        "wall_s": time.time() - started,
         "components_s": components_s,
         "trajectories": sum(c["stored"] for c in counts.values()),
         "generated": sum(c["stored"] for c in counts.values()),

@@ -126,7 +126,7 @@ class Node:
         components.finished_marker(run.path).write_text(json.dumps({"time": time.time(), "job": self.task.job_id}))
         self._wait_workers_left(run)
         self.sup.stop(timeout_s=STOP_TIMEOUT_S)
-        summary = write_summary(run, last, wall_s=time.time() - self.started, components_s=time.time() - t_components)
+        summary = write_summary(run, last, self.started, t_components, time.time())
         log.info("run finished: %s", json.dumps({k: summary.get(k) for k in ("steps", "reward_last", "eval_accuracy")}))
         return 0
 

@@ -62,6 +62,9 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
     assert launcher.returncode == 0, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["trained"] >= STEPS * BATCH
+    # wall time runs from the start (config written) to the end of the evaluation (eval.json)
+    evaluated, began = (run_dir / "eval.json").stat().st_mtime, (run_dir / "config.yaml").stat().st_mtime
+    assert summary["components_s"] < summary["wall_s"] and began + summary["wall_s"] + 1.0 >= evaluated
     assert summary["reward_last"] > summary["reward_first"] + 0.02, summary  # a learning signal
     assert "(restart 1)" in (run_dir / "logs" / "trainer-policy.log").read_text()
     worker_logs = [(run_dir / "logs" / f"rollout-{i}.log").read_text() for i in range(2)]
