@@ -215,11 +215,14 @@ class DataflowState:
             if wait.waiting_since is None:
                 self.starving.pop(policy, None)
                 continue
-            counts = dict(self.buffers[policy].counts)
-            last, before = self.starving.setdefault(policy, (now, counts))
+            counts = self.buffers[policy].counts
+            if policy not in self.starving:  # a wait that did not start in _batch (barrier, sync round)
+                self.starving[policy] = (now, dict(counts))
+                continue
+            last, before = self.starving[policy]
             if now - last < STARVING_S:
                 continue
-            self.starving[policy] = (now, counts)
+            self.starving[policy] = (now, dict(counts))
             delta = {k: counts[k] - before[k] for k in ("stored", "filtered", "dropped_stale")}
             log.warning("policy %s: its trainer has waited %.0fs for a batch; in the last %.0fs %d samples were "
                         "stored, %d filtered (zero-advantage groups) and %d dropped as stale; %d ready, %d tasks "

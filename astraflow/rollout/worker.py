@@ -255,9 +255,8 @@ class RolloutWorker:
                     return
                 if reply.tasks:
                     continue
-                if reply.reason == "stale_weights":  # ask again as soon as newer ones are loaded
-                    self.newer_weights.set()
-                    await self.weights_changed(held, reply.retry_after_s)
+                if reply.reason == "stale_weights":  # the reply's `latest` woke the weights loop:
+                    await self.weights_changed(held, reply.retry_after_s)  # ask again once they are in
                 else:
                     await asyncio.sleep(max(0.02, reply.retry_after_s))
             if self.inflight:
