@@ -2,7 +2,13 @@
 
 A stored sample is in exactly one state: READY (in the buffer), FILTERED (zero advantage,
 never served), SERVED (in a batch not yet acknowledged), CONSUMED (a trainer step
-acknowledged it) or DROPPED (beyond the staleness bound when it came up for serving).
+acknowledged it) or DROPPED (beyond the staleness bound when it came up for serving, or
+stored after its trainer finished its steps: `unused`).
+
+A policy whose trainer has finished exerts no backpressure: in co-training the other
+policies' episodes still need its engine, and the run would otherwise stop leasing for good
+once its buffer filled (observed: a solver starved at step 247 of 250 behind a finished
+verifier's full buffer).
 
 Served is not trained: `served[step]` is what a batch request for that step was given, and
 `consumed[step]` what the trainer acknowledged (journalled). A batch request for a step
@@ -43,12 +49,13 @@ class PolicyBuffer:
     name: str
     max_staleness: int
     capacity: int
+    steps: int = 0  # the trainer's planned steps; 0: not known (never finished)
     samples: dict[int, SampleInfo] = field(default_factory=dict)
     ready: deque[int] = field(default_factory=deque)
     served: dict[int, list[int]] = field(default_factory=dict)
     consumed: dict[int, list[int]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("stored", "served", "consumed", "dropped_stale", "filtered", "replayed"), 0))
+        ("stored", "served", "consumed", "dropped_stale", "filtered", "replayed", "unused"), 0))
     trainer_step: int = 0
     trainer_version: int = 0
     reward_sum: float = 0.0  # of every sample added since `generated_reward()` was last read
@@ -70,6 +77,9 @@ class PolicyBuffer:
         if filtered:
             self._release(info, FILTERED)
             self.counts["filtered"] += 1
+        elif self.finished:
+            self._release(info, DROPPED)
+            self.counts["unused"] += 1
         else:
             self.ready.append(info.sample_id)
 
@@ -83,8 +93,12 @@ class PolicyBuffer:
         return sum(1 for sid in self.ready if self.samples[sid].state == READY
                    and self.samples[sid].version_min >= floor)
 
+    @property
+    def finished(self) -> bool:
+        return 0 < self.steps <= self.trainer_step
+
     def has_room(self, expected: int) -> bool:
-        return len(self.ready) + expected <= self.capacity
+        return self.finished or len(self.ready) + expected <= self.capacity
 
     def take(self, step: int, n: int, trainer_version: int) -> list[int] | None:
         """Fresh samples for a new step, or None if fewer than n are ready (caller waits)."""

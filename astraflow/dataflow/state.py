@@ -74,7 +74,8 @@ class DataflowState:
         self.policy_index = {p: i for i, p in enumerate(self.policy_names)}
         self.source = TaskSource(cfg.tasks)
         self.tasks = TaskTable(limit=self.source.limit)
-        self.buffers = {p.name: PolicyBuffer(p.name, p.max_staleness, p.buffer_capacity) for p in cfg.policies}
+        self.buffers = {p.name: PolicyBuffer(p.name, p.max_staleness, p.buffer_capacity, cfg.trainer_for(p.name).steps)
+                        for p in cfg.policies}
         self.workers = WorkerRegistry()
         self.weights = WeightRegistry(self.run_dir / "weights", {p.name: p.keep_versions for p in cfg.policies})
         self.store = ShardStore(self.run_dir / "shards", self.policy_names, store_options(cfg))

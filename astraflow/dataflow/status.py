@@ -7,7 +7,7 @@ elastic controller:
               draining, policies, leases, trajectories, tokens, trajectories_per_s,
               tokens_per_s, versions}]
     tasks:    created, queued, leased, done, requeued, exhausted
-    policies: {name: {stored, served, consumed, dropped_stale, filtered, replayed, buffered,
+    policies: {name: {stored, served, consumed, dropped_stale, filtered, replayed, unused, buffered,
               latest_version, trainer_step, trainer_wait_fraction, trainer}}
     throughput: {per_partition: {p: {trajectories_per_s, tokens_per_s}}}
     store:    active_shard, quarantined[], lost_samples

@@ -89,6 +89,18 @@ def test_consume_checks_what_was_served_and_restart_replays():
     assert buf.samples[s2[0]].state == READY and list(buf.ready)[:4] == s2
 
 
+def test_a_finished_trainer_exerts_no_backpressure_and_its_late_samples_are_unused():
+    buf = PolicyBuffer("p", max_staleness=1, capacity=4, steps=1)
+    for i in range(4):
+        buf.add(SampleInfo(i, 0, 0, 0.0, 0.0, 1.0, (0, i), payload=object()), False, 0.0)
+    assert not buf.has_room(1)  # full while its trainer still needs samples
+    assert buf.consume(1, buf.take(1, 4, 0)) is None and buf.finished
+    assert buf.has_room(1000)  # done: the other policies' episodes must not wait for it
+    buf.add(SampleInfo(9, 1, 1, 0.0, 0.0, 1.0, (0, 9), payload=object()), False, 0.0)
+    assert buf.samples[9].state == DROPPED and buf.samples[9].payload is None
+    assert buf.counts["unused"] == 1 and buf.buffered == 0
+
+
 def test_arithmetic_formats():
     def first(**kw):
         src = TaskSource(TaskSourceConfig(max_operand=99, heldout=0, **kw))
