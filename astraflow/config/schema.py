@@ -198,6 +198,9 @@ class TrainerConfig:
     steps: int = 50
     batch_size: int = 64  # samples per step, all ranks together
     lr: float = 1e-3
+    lr_schedule: str = choice("constant", "constant", "cosine")  # trainer/lr.py
+    lr_warmup_steps: int = 0
+    lr_min_ratio: float = 0.1  # cosine: the last step's rate, as a fraction of lr
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     clip_eps: float = 0.2

@@ -37,6 +37,7 @@ from astraflow.slurm.env import partition
 from astraflow.trainer.batch import to_tensors, token_logprobs
 from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, save_checkpoint
 from astraflow.trainer.loss import decoupled_ppo_loss
+from astraflow.trainer.lr import lr_at
 from astraflow.weights.fs import publish, verify, version_dir
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,8 @@ class TorchTrainer:
         with torch.no_grad():
             prox_rest = token_logprobs(self.model, batch.select(slice(per, None)), self.temperature) if n > per else None
         stats = None
+        for group in self.optim.param_groups:
+            group["lr"] = lr_at(self.tcfg, step)
         for lo in range(0, n, per):
             mb = batch.select(slice(lo, lo + per))
             logp = token_logprobs(self.ddp, mb, self.temperature)

@@ -44,6 +44,10 @@ def test_missing_required_fields():
 def test_choices_are_listed():
     with pytest.raises(ConfigError, match=r"store\.compression: 'zstd' is not one of \['none', 'lzf', 'gzip'\]"):
         parse_config(BASE_CONFIG, overrides=["store.compression=zstd"])
+    with pytest.raises(ConfigError, match=r"trainer\.lr_schedule: 'step' is not one of \['constant', 'cosine'\]"):
+        parse_config(BASE_CONFIG, overrides=["trainer.lr_schedule=step"])
+    with pytest.raises(ConfigError, match=r"trainer: expected lr_warmup_steps >= 0 and 0 <= lr_min_ratio <= 1"):
+        parse_config(BASE_CONFIG, overrides=["trainer.lr_min_ratio=2.0"])
 
 
 def test_duplicate_policy_rejected():

@@ -1,13 +1,16 @@
-"""Decoupled PPO and the batch layout the trainer computes it on."""
+"""Decoupled PPO, the batch layout the trainer computes it on, and the learning-rate schedule."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from astraflow.bench.payload import random_trajectory
+from astraflow.config.schema import TrainerConfig
 from astraflow.protocol import messages as m
 from astraflow.trainer.batch import to_tensors
 from astraflow.trainer.loss import decoupled_ppo_loss
+from astraflow.trainer.lr import lr_at
 
 
 def test_on_policy_gradient_is_the_advantage_weighted_score():
@@ -48,3 +51,12 @@ def test_batch_targets_are_shifted_with_their_masks():
     assert b.loss_mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0]  # 3 prompt tokens, 2 generated, padding
     assert torch.allclose(b.behaviour_logp[1], torch.from_numpy(trajs[1].logprobs[1:]))
     assert b.advantages.tolist() == [0.5, -0.5]
+
+
+def test_cosine_schedule_warms_up_decays_to_its_floor_and_constant_stays():
+    cfg = TrainerConfig(steps=100, lr=1e-3, lr_schedule="cosine", lr_warmup_steps=10, lr_min_ratio=0.1)
+    rates = [lr_at(cfg, s) for s in range(1, 101)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)  # linear warm-up
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))  # then never rises
+    assert rates[-1] == pytest.approx(1e-4) and lr_at(cfg, 150) == pytest.approx(1e-4)  # the floor, also past the end
+    assert lr_at(TrainerConfig(steps=100, lr=5e-4), 77) == 5e-4
