@@ -1,8 +1,9 @@
 """`astraflow rollout`: a rollout worker process.
 
-Registers with the dataflow rank, keeps `rollout.concurrency` tasks in flight (each an
+Registers with the dataflow rank, keeps `rollout.concurrency` episodes generating (each an
 episode of the task's workflow; the engine batches their generation), commits each finished
-group, heartbeats and renews its leases, and swaps in new weight versions from the
+group (an episode's slot is free once it has generated, so the next lease overlaps its
+commit and the engine does not sit idle for both round trips), heartbeats and renews its leases, and swaps in new weight versions from the
 filesystem channel between engine batches. It follows a restarted dataflow rank through the
 rendezvous file and registers again when the rank no longer knows it. On SIGTERM (or Slurm's
 warning signal, SIGUSR1) it hands its leases back and exits.
@@ -59,7 +60,9 @@ class RolloutWorker:
         self.policies = policies
         self.base_id = base_id
         self.worker_id = ""
-        self.inflight: dict[int, asyncio.Task] = {}
+        self.inflight: dict[int, asyncio.Task] = {}  # leased tasks until committed or handed back
+        self.generating: set[int] = set()  # ... of which the episode still runs: these hold the slots
+        self.slot_freed = asyncio.Event()
         self.stopping = False
         self.committed = 0
         self.episode_failures = 0
@@ -182,6 +185,8 @@ class RolloutWorker:
             log.warning("task %d: %s; handing it back", task.task_id, e)
             await self.rpc(lambda: m.Release(self.worker_id, [task.task_id]))
             return
+        finally:
+            self._free_slot(task.task_id)
         self.failing = 0
         batch = m.TrajectoryBatch.from_trajectories(trajs)
         reply = await self.rpc(lambda: m.Commit(self.worker_id, task.task_id, batch, self.versions()))
@@ -189,6 +194,10 @@ class RolloutWorker:
         # the worker's own ledger of acknowledged commits, independent of the rank's journal
         self.acks.write(json.dumps({"task": task.task_id, "status": reply.status, "sids": reply.sample_ids}) + "\n")
         self.acks.flush()
+
+    def _free_slot(self, task_id: int) -> None:
+        self.generating.discard(task_id)
+        self.slot_freed.set()
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -237,7 +246,9 @@ class RolloutWorker:
         while not self.stopping:
             for tid in [t for t, task in self.inflight.items() if task.done()]:
                 self.inflight.pop(tid).result()  # re-raises a workflow bug instead of hiding it
-            free = self.cfg.rollout.concurrency - len(self.inflight)
+            # slots are episodes generating; commits in flight are bounded by as many again
+            concurrency = self.cfg.rollout.concurrency
+            free = min(concurrency - len(self.generating), 2 * concurrency - len(self.inflight))
             if time.monotonic() < self.pause_until:
                 free = 0
                 if not self.inflight:
@@ -246,6 +257,7 @@ class RolloutWorker:
                 held = self.versions()
                 reply = await self.rpc(lambda: m.Lease(self.worker_id, free, held))
                 for task in reply.tasks:
+                    self.generating.add(task.task_id)
                     self.inflight[task.task_id] = asyncio.get_running_loop().create_task(self.episode(task))
                 if reply.reason == "exhausted" and not self.inflight:
                     log.info("no tasks left: done after %d commits", self.committed)
@@ -260,7 +272,10 @@ class RolloutWorker:
                 else:
                     await asyncio.sleep(max(0.02, reply.retry_after_s))
             if self.inflight:
-                await asyncio.wait(list(self.inflight.values()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                self.slot_freed.clear()
+                waits = [asyncio.ensure_future(self.slot_freed.wait()), *self.inflight.values()]
+                await asyncio.wait(waits, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                waits[0].cancel()
 
     async def retire(self) -> None:
         """Drained by the launcher: finish the episodes in flight (for a while), then leave."""
