@@ -26,12 +26,14 @@ def test_sigkill_worker_trainer_and_dataflow_rank_twice_each(tmp_path):
     rng = random.Random(seed)
     victims = ["rollout", "train", "dataflow"] * 2
     rng.shuffle(victims)
-    proc, run_dir = start(tmp_path, steps=30)
+    steps = 50  # room for six kills 1-3 steps apart however fast the run goes; the last
+    # kill waits for a step short of the end (a wait for step 31 of 30 once failed the test)
+    proc, run_dir = start(tmp_path, steps=steps)
     killed = []
     try:
         wait_steps(proc, run_dir, 2)
         for victim in victims:
-            wait_steps(proc, run_dir, steps_done(run_dir) + rng.randint(1, 3))
+            wait_steps(proc, run_dir, min(steps - 1, steps_done(run_dir) + rng.randint(1, 3)))
             time.sleep(rng.uniform(0, 0.5))
             pids = component_pids(run_dir, victim)
             assert pids, f"no {victim} process to kill"
@@ -42,9 +44,9 @@ def test_sigkill_worker_trainer_and_dataflow_rank_twice_each(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, f"seed {seed}: {err[-3000:]}"
-    assert json.loads(out[out.index("{"):])["steps"] == 30
+    assert json.loads(out[out.index("{"):])["steps"] == steps
     report = check_ledgers_and_audit(run_dir)
-    assert report["trained"]["policy"] == 30 * BATCH
+    assert report["trained"]["policy"] == steps * BATCH
     for victim, log in (("dataflow", "dataflow"), ("train", "trainer-policy")):
         assert "(restart 2)" in (run_dir / "logs" / f"{log}.log").read_text(), f"{victim} was not restarted twice"
 
