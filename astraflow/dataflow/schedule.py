@@ -25,8 +25,7 @@ SYNC_RETRY_S = 0.05  # sync waits are short: the round starts as soon as weights
 
 def training(state: "DataflowState") -> list[str]:
     """The policies whose trainers still have steps to take."""
-    return [p for p in state.policy_names
-            if state.buffers[p].trainer_step < state.cfg.trainer_for(p).steps]
+    return [p for p in state.policy_names if not state.buffers[p].finished]
 
 
 def barrier_blocks(state: "DataflowState", policy: str, step: int) -> bool:

@@ -2,11 +2,13 @@
 
 Registers with the dataflow rank, keeps `rollout.concurrency` episodes generating (each an
 episode of the task's workflow; the engine batches their generation), commits each finished
-group (an episode's slot is free once it has generated, so the next lease overlaps its
-commit and the engine does not sit idle for both round trips), heartbeats and renews its leases, and swaps in new weight versions from the
-filesystem channel between engine batches. It follows a restarted dataflow rank through the
-rendezvous file and registers again when the rank no longer knows it. On SIGTERM (or Slurm's
-warning signal, SIGUSR1) it hands its leases back and exits.
+group, heartbeats and renews its leases, and swaps in new weight versions from the
+filesystem channel between engine batches. An episode's slot is free once it has
+generated, not once its commit is acknowledged: the next lease overlaps the commit, so the
+engine does not sit idle for both round trips (commits in flight are capped at as many
+again). It follows a restarted dataflow rank through the rendezvous file and registers
+again when the rank no longer knows it. On SIGTERM (or Slurm's warning signal, SIGUSR1) it
+hands its leases back and exits.
 
 Every acknowledged commit is a line of `logs/acks-<worker>.jsonl` (task, status, sample ids):
 the worker's own ledger, which audits compare with the shards.
@@ -246,7 +248,6 @@ class RolloutWorker:
         while not self.stopping:
             for tid in [t for t, task in self.inflight.items() if task.done()]:
                 self.inflight.pop(tid).result()  # re-raises a workflow bug instead of hiding it
-            # slots are episodes generating; commits in flight are bounded by as many again
             concurrency = self.cfg.rollout.concurrency
             free = min(concurrency - len(self.generating), 2 * concurrency - len(self.inflight))
             if time.monotonic() < self.pause_until:
