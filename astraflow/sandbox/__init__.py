@@ -114,23 +114,30 @@ class Sandbox:
         truncated = timed_out = False
 
         async def pump(stream: asyncio.StreamReader, buf: bytearray) -> None:
+            # read to EOF even past the cap (discarding): a pipe left unread keeps its
+            # transport open past the event loop, which then warns "Event loop is closed"
             nonlocal truncated
             while chunk := await stream.read(4096):
+                if truncated:
+                    continue
                 buf += chunk
                 if len(buf) > cap:
                     truncated = True
                     del buf[cap:]
                     self._kill(proc)
-                    return
 
         proc.stdin.write(source.encode())
         proc.stdin.close()
+        pumps = asyncio.gather(pump(proc.stdout, out), pump(proc.stderr, err))
         try:
-            await asyncio.wait_for(asyncio.gather(pump(proc.stdout, out), pump(proc.stderr, err), proc.wait()),
-                                   self.limits.wall_s)
+            await asyncio.wait_for(proc.wait(), self.limits.wall_s)
         except asyncio.TimeoutError:
             timed_out = True
             self._kill(proc)
+        try:  # the namespace's processes are all dead once PID 1 is, so EOF follows at once
+            await asyncio.wait_for(pumps, 2.0)
+        except asyncio.TimeoutError:
+            pass
         code = await proc.wait()
         return Result(out.decode(errors="replace"), err.decode(errors="replace"), code, timed_out, truncated)
 

@@ -4,9 +4,11 @@ the real sandbox."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -107,23 +109,32 @@ def agent(tmp_path_factory):
     e.close()
 
 
-def env_server() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "env-server", "--max-turns", "2"],
-                            stdout=subprocess.PIPE, text=True, cwd=REPO)
-    return proc, proc.stdout.readline().strip()
+@contextlib.contextmanager
+def env_server() -> Iterator[tuple[subprocess.Popen, str]]:
+    """A real environment server process and its URL; killed and reaped afterwards."""
+    with subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "env-server", "--max-turns", "2"],
+                          stdout=subprocess.PIPE, text=True, cwd=REPO) as proc:
+        try:
+            yield proc, proc.stdout.readline().strip()
+        finally:
+            proc.kill()
 
 
 @pytest.mark.skipif(Sandbox.check() is not None and os.environ.get("CI") != "true", reason=str(Sandbox.check()))
 def test_agent_calls_the_sandboxed_tool_and_is_rewarded_by_the_environment(agent):
     engine, item = agent
-    proc, url = env_server()
-    try:
+    with env_server() as (_, url):
         ctx = context(engine, {"agent": engine}, {"agent": "agent"}, max_turns=3)
         ctx.params, ctx.policy_index = SamplingParams(12, 0.0), {"agent": 0}
         ctx.environment, ctx.tools = EnvironmentClient(url), Sandbox()
-        (record,) = asyncio.run(multi_turn_tool(Task(1, 30.0, item.prompt, item.answer, 1, ["agent"]), ctx))
-    finally:
-        proc.kill()
+
+        async def episode() -> list:
+            try:
+                return await multi_turn_tool(Task(1, 30.0, item.prompt, item.answer, 1, ["agent"]), ctx)
+            finally:
+                await ctx.environment.close()
+
+        (record,) = asyncio.run(episode())
     assert record.meta["tool_calls"] >= 1 and record.meta["done"] and record.reward == 1.0
     text = engine.codec.decode(record.tokens)
     assert f">{item.answer};" in text  # the tool's output, from the sandbox
@@ -135,17 +146,17 @@ def test_agent_calls_the_sandboxed_tool_and_is_rewarded_by_the_environment(agent
 
 def test_environment_server_dying_mid_episode_is_an_episode_error(agent):
     engine, item = agent
-    proc, url = env_server()
-    client = EnvironmentClient(url)
+    with env_server() as (proc, url):
+        client = EnvironmentClient(url)
 
-    async def episode() -> None:
-        try:
-            episode_id, _ = await client.start(Task(1, 30.0, item.prompt, item.answer, 1, ["agent"]))
-            proc.kill()
-            proc.wait()
-            await client.step(episode_id, "9")
-        finally:
-            await client.close()
+        async def episode() -> None:
+            try:
+                episode_id, _ = await client.start(Task(1, 30.0, item.prompt, item.answer, 1, ["agent"]))
+                proc.kill()
+                proc.wait()
+                await client.step(episode_id, "9")
+            finally:
+                await client.close()
 
-    with pytest.raises(EpisodeError, match="/step"):
-        asyncio.run(episode())
+        with pytest.raises(EpisodeError, match="/step"):
+            asyncio.run(episode())
