@@ -13,15 +13,26 @@ latency is lognormal (median 0.2 s, p99 2 s). A second pair of runs sets that la
 
 s/iter: from the first completed update to the last, divided by the updates in between,
 the slowest policy counting (start-up — engines, model build, warm-up — is excluded from
-both timings). Each mode is a separate run with its own engine processes, started once.
+both timings). Each mode is a separate run (its own dataflow rank, trainers, run directory
+and summary), served by the same engine processes: `rollout.workers` standby workers
+(`astraflow rollout --standby`), started once before the first run, join each run in turn
+and load its starting weights in place. The JSON names their pids and, per run, the pids
+that registered with its dataflow rank.
 """
 from __future__ import annotations
 
+import subprocess
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from astraflow.analysis.metrics import read_metrics
+from astraflow.config.loader import load_config
+from astraflow.launch.components import cli
 from astraflow.launch.local import run_local
+from astraflow.launch.supervisor import die_with_parent
+from astraflow.store.journal import replay
 
 WORKLOAD = {
     "workflow.env_check": "true",
@@ -46,6 +57,11 @@ def seconds_per_iter(run_dir: Path, policies: list[str]) -> float:
     return worst
 
 
+def registered_pids(run_dir: Path) -> list[int]:
+    """The processes that served a run as rollout workers, from its journal."""
+    return sorted({e["pid"] for e in replay(run_dir / "journal") if e.get("ev") == "register"})
+
+
 def one_mode(config: str, mode: str, overrides: list[str], root: Path) -> dict:
     run_dir = root / f"{mode}"
     summary = run_local(config, str(run_dir), [*overrides, f"schedule.mode={mode}"], quiet=True)
@@ -54,7 +70,7 @@ def one_mode(config: str, mode: str, overrides: list[str], root: Path) -> dict:
             "rewards": {p: {"first": s.get("reward_first"), "last": s.get("reward_last")}
                         for p, s in summary["policies"].items()},
             "eval": summary.get("eval", {}), "wall_s": summary["wall_s"], "generated": summary["generated"],
-            "trained": summary["trained"], "dropped": summary["dropped"]}
+            "trained": summary["trained"], "dropped": summary["dropped"], "worker_pids": registered_pids(run_dir)}
 
 
 def compare(config: str, overrides: list[str], root: Path) -> dict:
@@ -64,14 +80,36 @@ def compare(config: str, overrides: list[str], root: Path) -> dict:
             "speedup": s["s_per_iter"] / a["s_per_iter"], "async": a, "sync": s}
 
 
+@contextmanager
+def standby_workers(directory: Path, n: int) -> Iterator[list[int]]:
+    """`n` standby rollout workers waiting in `directory`; stopped (leases handed back) after."""
+    directory.mkdir(mode=0o700)
+    procs = []
+    try:
+        for i in range(n):
+            with open(directory / f"worker-{i}.log", "w") as log:
+                procs.append(subprocess.Popen(cli("rollout", "--standby", str(directory), "--worker-id", f"standby-{i}"),
+                                              stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent))
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+
+
 def run_bench(config: str, steps: int, extra: list[str], zero_latency: bool = True, run_dir: str | None = None) -> dict:
     workload = {**WORKLOAD, "trainer.steps": str(steps)}
     overrides = [f"{k}={v}" for k, v in workload.items()] + list(extra)
+    n_workers = load_config(config, overrides).rollout.workers
     with tempfile.TemporaryDirectory(prefix="astraflow-bench-mp-", dir=run_dir) as tmp:
         root = Path(tmp)
-        result = {"config": config, "workload": workload, "extra_overrides": list(extra),
-                  **compare(config, overrides, root / "latency")}
-        if zero_latency:
-            zero = compare(config, [*overrides, "workflow.env_latency_median_s=0"], root / "zero-latency")
-            result["zero_latency"] = {k: zero[k] for k in ("async_s_per_iter", "sync_s_per_iter", "speedup")}
+        with standby_workers(root / "standby", n_workers) as pids:
+            # the runs start no workers of their own: the standby workers serve them all
+            overrides += ["rollout.workers=0", f"rollout.standby={root / 'standby'}"]
+            result = {"config": config, "workload": workload, "extra_overrides": list(extra),
+                      "engine_processes": pids, **compare(config, overrides, root / "latency")}
+            if zero_latency:
+                zero = compare(config, [*overrides, "workflow.env_latency_median_s=0"], root / "zero-latency")
+                result["zero_latency"] = {k: zero[k] for k in ("async_s_per_iter", "sync_s_per_iter", "speedup")}
     return result

@@ -96,6 +96,12 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _rollout(args: argparse.Namespace) -> int:
+    if args.standby:
+        from astraflow.rollout.standby import run_standby
+        from astraflow.slurm.env import rollout_worker_id
+
+        run_standby(args.standby, args.policies, args.worker_id or rollout_worker_id())
+        return 0
     from astraflow.rollout.worker import run_worker
 
     run_worker(args.run_dir, args.policies, args.worker_id)
@@ -226,7 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_run)
 
     p = sub.add_parser("rollout", help="run a rollout worker")
-    p.add_argument("--run-dir", required=True)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", help="the run to serve")
+    where.add_argument("--standby", metavar="DIR",
+                       help="wait in DIR for runs that announce themselves there (rollout.standby) and serve "
+                            "them one after another, keeping the engines")
     p.add_argument("--policies", nargs="*", default=[], help="policies to host (default: all)")
     p.add_argument("--worker-id", help="stable base id (default: from Slurm, else host-pid)")
     p.set_defaults(fn=_rollout)

@@ -145,6 +145,13 @@ def _check_pools(cfg: Config, where: _Where) -> None:
     if pools and sum(p.workers for p in pools) != cfg.rollout.workers:
         raise ConfigError(f"{where.at('rollout.pools')}: rollout.pools: the pools' workers add up to "
                           f"{sum(p.workers for p in pools)}, rollout.workers is {cfg.rollout.workers}")
+    if cfg.rollout.workers < 0:
+        raise ConfigError(f"{where.at('rollout.workers')}: rollout.workers: expected >= 0, got {cfg.rollout.workers}")
+    if cfg.rollout.workers == 0:
+        if not cfg.rollout.standby:
+            raise ConfigError(f"{where.at('rollout.workers')}: rollout.workers: 0 workers and no rollout.standby "
+                              f"directory: nothing would generate; expected workers >= 1 or a standby directory")
+        return
     if not any(set(cfg.task_policies) <= set(cfg.worker_policies(i)) for i in range(cfg.rollout.workers)):
         raise ConfigError(f"{where.at('rollout.pools')}: rollout.pools: no worker hosts every policy an episode "
                           f"needs ({list(cfg.task_policies)}), so no task could ever be handed out")

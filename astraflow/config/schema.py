@@ -157,6 +157,10 @@ class RolloutConfig:
     # Which policies each worker hosts, pool by pool (workers 0..n0-1 the first pool, ...);
     # empty: every worker hosts every policy. The pools' workers add up to `workers`.
     pools: tuple[PoolConfig, ...] = ()
+    # A directory of standby workers (`astraflow rollout --standby DIR`) that `astraflow
+    # run` invites to join this run, besides its own `workers` (which may then be 0); they
+    # keep their engines from run to run (rollout/standby.py). Empty: none.
+    standby: str = ""
 
 
 @dataclass(frozen=True)

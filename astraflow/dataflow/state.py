@@ -261,14 +261,14 @@ class DataflowState:
         if not req.worker_id or req.capacity < 1:
             raise RequestError("bad_request", "worker_id must be non-empty and capacity >= 1")
         info = self.workers.register(req.worker_id, now, policies=tuple(req.policies), capacity=req.capacity,
-                                     hardware=req.hardware, partition=req.partition, host=req.host)
+                                     hardware=req.hardware, partition=req.partition, host=req.host, pid=req.pid)
         for old in self.workers.previous_incarnations(info):
             old.alive = False
             for t in [t for t, lease in self.tasks.leased.items() if lease.worker == old.worker_id]:
                 self.tasks.release(t)
         self.journal.append("register", base=req.worker_id, k=self.workers.restarts[req.worker_id],
                             worker=info.worker_id, partition=req.partition, hardware=req.hardware,
-                            host=req.host, engine_load_s=req.engine_load_s, time=time.time())
+                            host=req.host, pid=req.pid, engine_load_s=req.engine_load_s, time=time.time())
         hb = self.cfg.dataflow.heartbeat_timeout_s
         return m.RegisterReply(info.worker_id, self.cfg.dataflow.lease_s, hb / 3)
 

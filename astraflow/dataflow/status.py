@@ -3,7 +3,7 @@
 Schema (schema_version 1), consumed by `astraflow inspect`, `astraflow status` and the
 elastic controller:
     schema_version, time, uptime_s, incarnation
-    workers:  alive, dead, by_partition{p: n}, list[{id, alive, partition, hardware, host, base,
+    workers:  alive, dead, by_partition{p: n}, list[{id, alive, partition, hardware, host, pid, base,
               draining, policies, leases, trajectories, tokens, trajectories_per_s,
               tokens_per_s, versions}]
     tasks:    created, queued, leased, done, requeued, exhausted
@@ -73,7 +73,7 @@ def build_status(state: "DataflowState", now: float) -> dict[str, Any]:
         part_rates[w.partition or "local"]["trajectories_per_s"] += traj_s
         part_rates[w.partition or "local"]["tokens_per_s"] += tok_s
         workers.append({"id": w.worker_id, "alive": w.alive, "partition": w.partition, "hardware": w.hardware,
-                        "host": w.host, "base": w.base, "draining": w.base in state.draining, "policies": list(w.policies), "leases": leases_by_worker[w.worker_id],
+                        "host": w.host, "pid": w.pid, "base": w.base, "draining": w.base in state.draining, "policies": list(w.policies), "leases": leases_by_worker[w.worker_id],
                         "trajectories": w.trajectories, "tokens": w.tokens,
                         "trajectories_per_s": traj_s, "tokens_per_s": tok_s, "versions": w.versions})
     policies = {}

@@ -22,6 +22,7 @@ class WorkerInfo:
     partition: str
     host: str
     last_seen: float
+    pid: int = 0
     versions: dict[str, int] = field(default_factory=dict)
     alive: bool = True
     trajectories: int = 0

@@ -56,11 +56,25 @@ class WorkerStopped(Exception):
     """Stop was requested while a call to the dataflow rank went unanswered."""
 
 
+def build_engines(run: RunDir, policies: list[str]) -> dict[str, Any]:
+    """One engine per hosted policy, loaded with the policy's starting weights (version 0)."""
+    cfg = run.config
+    return {p: ENGINES[cfg.engine.kind](str(policy_model_dir(run.path, cfg, p)), max_batch=cfg.engine.max_batch,
+                                        threads=cfg.engine.threads, seed=cfg.run.seed,
+                                        batch_wait_s=cfg.engine.batch_wait_ms / 1e3)
+            for p in policies}
+
+
 class RolloutWorker:
-    def __init__(self, run: RunDir, policies: list[str], base_id: str) -> None:
+    """One worker's membership of one run. It uses engines it is given (a standby worker keeps
+    its engines from run to run) or builds its own, which it closes when it leaves."""
+
+    def __init__(self, run: RunDir, policies: list[str], base_id: str, engines: dict[str, Any] | None = None) -> None:
         self.rundir, self.cfg = run, run.config
         self.policies = policies
         self.base_id = base_id
+        self.engines = engines
+        self.own_engines = engines is None
         self.worker_id = ""
         self.inflight: dict[int, asyncio.Task] = {}  # leased tasks until committed or handed back
         self.generating: set[int] = set()  # ... of which the episode still runs: these hold the slots
@@ -203,12 +217,10 @@ class RolloutWorker:
 
     async def run(self) -> None:
         cfg = self.cfg
-        t0 = time.perf_counter()
-        self.engines = {p: ENGINES[cfg.engine.kind](str(policy_model_dir(self.rundir.path, cfg, p)),
-                                                    max_batch=cfg.engine.max_batch, threads=cfg.engine.threads,
-                                                    seed=cfg.run.seed, batch_wait_s=cfg.engine.batch_wait_ms / 1e3)
-                        for p in self.policies}
-        self.engine_load_s = time.perf_counter() - t0
+        if self.own_engines:
+            t0 = time.perf_counter()
+            self.engines = build_engines(self.rundir, self.policies)
+            self.engine_load_s = time.perf_counter() - t0
         self.acks = open(self.rundir.path / "logs" / f"acks-{self.base_id}.jsonl", "a")
         codec = next(iter(self.engines.values())).codec
         self.workflow = WORKFLOWS[cfg.tasks.workflow].run
@@ -220,8 +232,6 @@ class RolloutWorker:
             environment=await self.environment(), tools=Sandbox(hide=(str(self.rundir.path),)))
         self.client = AsyncClient(wait_rendezvous(self.rundir.path)["address"], self.rundir.read_secret(), timeout_s=10)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            loop.add_signal_handler(sig, self._stop)
         background = []
         try:
             await self.rpc(lambda: m.Heartbeat(self.worker_id))  # registers
@@ -237,8 +247,9 @@ class RolloutWorker:
             # the worker's own ledger, for tests and post-mortems: what the rank acknowledged
             log.info("commits acknowledged: %d, episodes handed back after an environment or tool failure: %d",
                      self.committed, self.episode_failures)
-            for e in self.engines.values():
-                e.close()
+            if self.own_engines:
+                for e in self.engines.values():
+                    e.close()
             if self.ctx.environment is not None:
                 await self.ctx.environment.close()
             self.client.close()
@@ -295,13 +306,25 @@ class RolloutWorker:
             except (TimeoutError, RemoteError) as e:
                 log.warning("could not hand back leases (%s); they will expire", e)
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
         log.info("stop requested: handing back leases")
         self.stopping = True
 
 
+def on_stop_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM, Ctrl-C and Slurm's warning signal (SIGUSR1) all mean: hand back and leave."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        loop.add_signal_handler(sig, stop)
+
+
 def run_worker(run_dir: str, policies: list[str], worker_id: str | None) -> None:
     run = RunDir.open(run_dir)
-    base = worker_id or rollout_worker_id()
-    asyncio.run(RolloutWorker(run, policies or list(run.config.policy_names), base).run())
+    worker = RolloutWorker(run, policies or list(run.config.policy_names), worker_id or rollout_worker_id())
+
+    async def main() -> None:
+        on_stop_signals(worker.stop)
+        await worker.run()
+
+    asyncio.run(main())
 

@@ -15,7 +15,7 @@ be leased again instead of crashing.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -50,6 +50,9 @@ class EpisodeContext:
     workflow: WorkflowConfig = WorkflowConfig()
     environment: Any = None  # astraflow.environments.client.EnvironmentClient
     tools: Any = None  # astraflow.sandbox.Sandbox
+    # what a workflow carries from episode to episode within this worker (cotrain: the
+    # running class frequency of the answers its verifier judges)
+    state: dict[str, Any] = field(default_factory=dict)
 
     def sampling(self) -> SamplingParams:
         """The episode's sampling parameters; with `decode_len_median` set, a long-tailed length."""

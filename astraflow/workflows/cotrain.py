@@ -3,8 +3,9 @@
 - `solver_verifier`: the solver's record is (question, answer); the verifier's is (question,
   answer, "?", judgment) with the answer as context it did not generate. The solver is
   rewarded by correctness, the verifier by judging correctly (accept a right answer, reject
-  a wrong one), weighted by class within the group so that its mean reward is its balanced
-  accuracy (`balance`): always-reject scores 0.5 (`meta.truth`, `meta.accept` per record). With `workflow.retry` the solver answers once more after a
+  a wrong one), weighted by the class of the answer so that its mean reward is its balanced
+  accuracy (`balance`): always-reject and always-accept score 0.5 (`meta.truth`,
+  `meta.accept` per record). With `workflow.retry` the solver answers once more after a
   rejection (both attempts are records of its group).
 - `solve_and_check`: the same exchange as one concatenated sequence with a per-token policy
   mask: both policies' records are the whole sequence; each trains only its own tokens.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import replace
 
 import numpy as np
@@ -77,20 +79,33 @@ async def _exchange(task: Task, ctx: EpisodeContext, concatenated: bool) -> list
         return records
 
     records = [r for g in await asyncio.gather(*(one() for _ in range(task.group_size))) for r in g]
-    return balance(records, verifier)
+    return balance(records, verifier, ctx.state.setdefault("verifier_class_prior", ClassPrior()))
 
 
-def balance(records: list[Trajectory], verifier: str) -> list[Trajectory]:
-    """Weight the verifier's rewards by class so that their mean over the group is its balanced
-    accuracy on the group: with 1 right answer among 8, accepting it is worth 4 and rejecting
-    a wrong one 8/14, and always-reject earns 0.5 on average, not 0.875. Unweighted, the tiny
-    verifier learned to reject everything (balanced accuracy 0.63 -> 0.50 in 250 steps)."""
+class ClassPrior:
+    """How often the answers a verifier judges are right, over this worker's last `window`
+    judgments (add-one smoothed, so it is never 0 or 1)."""
+
+    def __init__(self, window: int = 2048) -> None:
+        self.recent: deque[bool] = deque(maxlen=window)
+
+    def observe(self, truths: list[bool]) -> float:
+        self.recent.extend(truths)
+        return (sum(self.recent) + 1) / (len(self.recent) + 2)
+
+
+def balance(records: list[Trajectory], verifier: str, prior: ClassPrior) -> list[Trajectory]:
+    """Weight the verifier's rewards by class, 1/(2p) for a right answer and 1/(2(1-p)) for a
+    wrong one, p the running frequency of right answers: the mean reward over many groups is
+    then its balanced accuracy, so always-reject earns 0.5, not the 0.85 of plain accuracy
+    while 15% of answers are right. (Unweighted, the tiny verifier learned to reject
+    everything: balanced accuracy 0.63 -> 0.50 in 250 steps. Weighted within each group
+    instead, a group of only wrong answers was plain accuracy, and the reported reward rose
+    with rejecting everything.) Within a group, GRPO's normalisation removes the scale, so a
+    group of one class learns as if unweighted; a mixed group's minority answers count more."""
     judged = [r for r in records if r.policy == verifier]
-    n_true = sum(r.meta["truth"] for r in judged)
-    n_false = len(judged) - n_true
-    if not (n_true and n_false):
-        return records
-    weight = {True: len(judged) / (2 * n_true), False: len(judged) / (2 * n_false)}
+    p = prior.observe([r.meta["truth"] for r in judged])
+    weight = {True: 1 / (2 * p), False: 1 / (2 * (1 - p))}
     return [replace(r, reward=r.reward * weight[r.meta["truth"]]) if r.policy == verifier else r for r in records]
 
 

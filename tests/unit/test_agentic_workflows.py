@@ -8,7 +8,7 @@ import contextlib
 import os
 import subprocess
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -24,7 +24,7 @@ from astraflow.sandbox import Sandbox
 from astraflow.tasks.sources import TaskSource
 from astraflow.trainer.warmup import warm_up
 from astraflow.workflows import EpisodeContext, EpisodeError
-from astraflow.workflows.cotrain import balance, solve_and_check, solver_verifier
+from astraflow.workflows.cotrain import ClassPrior, balance, solve_and_check, solver_verifier
 from astraflow.workflows.rewards import exact_match
 from astraflow.workflows.tool_agent import multi_turn_tool
 from tests.conftest import REPO
@@ -88,10 +88,19 @@ def test_verifier_reward_mean_is_its_balanced_accuracy():
         return Trajectory("verifier", z, z.astype(np.float32), z.astype(np.uint8), z, z.astype(np.int8),
                           float(truth == accept), meta={"truth": truth, "accept": accept})
 
-    always_reject = balance([judged(t, False) for t in (True, False, False, False)], "verifier")
-    assert np.mean([r.reward for r in always_reject]) == pytest.approx(0.5)
-    mixed = balance([judged(True, True), judged(False, False), judged(False, True), judged(False, False)], "verifier")
-    assert np.mean([r.reward for r in mixed]) == pytest.approx((1 + 2 / 3) / 2)
+    def mean_reward(verdict: Callable[[bool], bool]) -> float:
+        """Mean reward over 200 groups of 8 answers, 1 in 8 right, some groups all wrong."""
+        prior, rng, rewards = ClassPrior(), np.random.default_rng(0), []
+        for _ in range(200):
+            truths = rng.random(8) < 1 / 8
+            group = balance([judged(bool(t), verdict(bool(t))) for t in truths], "verifier", prior)
+            rewards += [r.reward for r in group]
+        return float(np.mean(rewards))
+
+    assert mean_reward(lambda truth: False) == pytest.approx(0.5, abs=0.03)  # always reject
+    assert mean_reward(lambda truth: True) == pytest.approx(0.5, abs=0.03)  # always accept
+    assert mean_reward(lambda truth: truth) == pytest.approx(1.0, abs=0.03)  # a perfect judge
+    assert mean_reward(lambda truth: not truth) == pytest.approx(0.0, abs=0.03)
 
 
 @pytest.fixture(scope="module")
