@@ -305,9 +305,10 @@ class DataflowState:
             n = min(n, quota)
         tasks: list[m.Task] = []
         reason = ""
+        exempt = schedule.short_of_a_batch(self, needed)
         for _ in range(n):
             inflight = (len(self.tasks.leased) + 1) * group
-            if not all(self.buffers[p].has_room(inflight) for p in needed):
+            if not exempt and not all(self.buffers[p].has_room(inflight) for p in needed):
                 reason = "backpressure"
                 break
             tid = self.tasks.take()

@@ -43,10 +43,12 @@ def register(state: DataflowState, base: str, policies: list[str]) -> str:
     return state.handle(m.Register(m.PROTOCOL_VERSION, base, policies, 4)).worker_id
 
 
-def commit(state: DataflowState, worker: str, task: m.Task, version: int = 0) -> None:
-    """A group for both policies, rewards 0/1 alternating (no zero-advantage filtering)."""
+def commit(state: DataflowState, worker: str, task: m.Task, version: int = 0, solver_filtered: bool = False) -> None:
+    """A group for both policies, rewards 0/1 alternating (no zero-advantage filtering), or
+    with `solver_filtered` all 0 for the solver (a zero-advantage group: filtered)."""
     rng = np.random.default_rng(task.task_id)
-    trajs = [random_trajectory(rng, p, 10, prompt_tokens=3, version=version, reward=float(i % 2),
+    trajs = [random_trajectory(rng, p, 10, prompt_tokens=3, version=version,
+                               reward=0.0 if solver_filtered and p == "solver" else float(i % 2),
                                group_id=task.task_id) for p in ("solver", "verifier") for i in range(4)]
     for t in trajs:  # token_policy of the generated part: the record's own policy
         t.token_policy[t.loss_mask == 1] = 0 if t.policy == "solver" else 1
@@ -123,3 +125,28 @@ def test_sync_schedule_generates_one_batch_then_waits_for_training_and_new_weigh
     v1 = {"solver": 1, "verifier": 1}
     # the verifier's 4 unserved samples cover its next batch; the solver needs 8 more: 2 tasks
     assert len(state.handle(m.Lease(w, 16, v1)).tasks) == 2
+
+
+def test_a_full_buffer_does_not_stall_a_sync_round_another_policy_is_short_of(make_state):
+    state = make_state("schedule.mode=sync", "policies.1.buffer_capacity=8")
+    w = register(state, "w", ["solver", "verifier"])
+    v0 = {"solver": 0, "verifier": 0}
+    for task in state.handle(m.Lease(w, 16, v0)).tasks:  # 2 tasks: what the solver's batch of 8 lacks
+        commit(state, w, task, solver_filtered=True)  # ... but its groups are filtered
+    assert state.buffers["verifier"].buffered == 8 and not state.buffers["verifier"].has_room(4)
+    assert state.handle(m.Batch("verifier", 1, 4, 0, 1, 0)) is None  # the round waits for the solver
+    tasks = state.handle(m.Lease(w, 16, v0)).tasks  # so the full verifier must not refuse these
+    assert len(tasks) == 2
+    for task in tasks:
+        commit(state, w, task)
+    assert state.handle(m.Batch("solver", 1, 8, 0, 1, 0)) is not None
+    assert state.handle(m.Batch("verifier", 1, 4, 0, 1, 0)) is not None
+
+
+def test_without_coupling_a_full_buffer_holds_generation_back(make_state):
+    state = make_state("policies.1.buffer_capacity=8")
+    w = register(state, "w", ["solver", "verifier"])
+    v0 = {"solver": 0, "verifier": 0}
+    for task in state.handle(m.Lease(w, 2, v0)).tasks:
+        commit(state, w, task, solver_filtered=True)
+    assert state.handle(m.Lease(w, 1, v0)).reason == "backpressure"  # the verifier trains on its own
