@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from astraflow.config.rundir import RunDir
 from astraflow.launch.supervisor import Component, GroupGeneration
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, wait_rendezvous
+from astraflow.rollout import invitation
 
 FINISHED_FILE = "finished"  # in rendezvous/: written once every trainer has done its steps
 
@@ -57,6 +59,32 @@ def dataflow_status(run: RunDir, timeout_s: float = 10.0) -> dict:
         return client.call(m.Status()).status
     finally:
         client.close()
+
+
+def wait_workers_left(run: RunDir, timeout_s: float = 10.0) -> None:
+    """Give the rollout workers, told to leave (end marker, withdrawn invitation, SIGTERM), a
+    moment to hand their leases back to the rank before it stops."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if dataflow_status(run, timeout_s=2.0)["workers"]["alive"] == 0:
+                return
+        except TimeoutError:
+            return  # the rank is gone: nobody to hand leases back to
+        time.sleep(0.1)
+
+
+def invite_standby(run: RunDir) -> str:
+    """Announce the run (its rank is up) to the config's standby workers; the invitation id, or ""."""
+    standby = run.config.rollout.standby
+    return invitation.announce(Path(standby), run.path) if standby else ""
+
+
+def dismiss_standby(run: RunDir, ident: str) -> None:
+    """Withdraw the run's invitation and let the standby workers hand their leases back."""
+    if ident:
+        invitation.withdraw(Path(run.config.rollout.standby), ident)
+        wait_workers_left(run)
 
 
 def trainers_done(run: RunDir, status: dict) -> bool:

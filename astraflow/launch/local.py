@@ -21,28 +21,12 @@ from astraflow.launch.progress import Progress
 from astraflow.launch.summary import start_eval, write_summary
 from astraflow.launch.supervisor import ComponentFailed, Supervisor
 from astraflow.protocol.client import wait_rendezvous
-from astraflow.rollout import invitation
 
 POLL_S = 0.5
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def dismiss_standby(run: RunDir, ident: str, timeout_s: float = 10.0) -> None:
-    """Withdraw the run's announcement and wait (a while) until the standby workers have left."""
-    if not ident:
-        return
-    invitation.withdraw(Path(run.config.rollout.standby), ident)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if not components.dataflow_status(run, timeout_s=2.0)["workers"]["alive"]:
-                return
-        except TimeoutError:
-            return  # the rank is gone: nobody to hand leases back to
-        time.sleep(0.1)
 
 
 def run_local(config: str | None, run_dir: str | None, overrides: list[str], quiet: bool = False) -> dict:
@@ -73,7 +57,7 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
                     for p in cfg.policy_names]
         workers = [sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}", cfg.worker_policies(i))).name
                    for i in range(cfg.rollout.workers)]
-        ident = invitation.announce(Path(cfg.rollout.standby), run.path) if cfg.rollout.standby else ""
+        ident = components.invite_standby(run)
         progress = Progress(run, quiet)
         remaining = set(trainers)
         while remaining:
@@ -83,17 +67,17 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
         progress.close()
         status = components.dataflow_status(run)
     except ComponentFailed as e:
-        dismiss_standby(run, ident)
+        components.dismiss_standby(run, ident)
         sup.stop()
         raise SystemExit(f"astraflow run: {e}") from None
     except KeyboardInterrupt:
-        dismiss_standby(run, ident)
+        components.dismiss_standby(run, ident)
         sup.stop(workers)
         sup.stop()
         raise SystemExit(f"astraflow run: interrupted; resume with `astraflow run --run-dir {run.path}`") from None
     evaluation = start_eval(run)  # it reads only the published weights: it runs while the rest stops
     # workers first, so that they hand their leases back to a rank still listening
-    dismiss_standby(run, ident)
+    components.dismiss_standby(run, ident)
     sup.stop(workers)
     sup.stop()
     return write_summary(run, status, started, t_components, time.time(), evaluation)

@@ -36,7 +36,6 @@ from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
 log = logging.getLogger(__name__)
 
 STATUS_EVERY_S = 2.0
-LEAVE_TIMEOUT_S = 10.0
 
 
 class Node:
@@ -115,32 +114,23 @@ class Node:
             rollout_partition = next((p["partition"] for p in self.peers if p["role"] == "rollout"), "")
             controller = ElasticController(run, rollout_partition)
             controller.start()
+        ident = components.invite_standby(run)
         try:
             if not self.supervise(done):
+                components.dismiss_standby(run, ident)
                 if self.watch.signal == signal.SIGUSR1:  # a warning: let the others leave first
-                    self._wait_workers_left(run)
+                    components.wait_workers_left(run)
                 return EXIT_STOPPED
         finally:
             if controller is not None:
                 controller.stop()
         components.finished_marker(run.path).write_text(json.dumps({"time": time.time(), "job": self.task.job_id}))
-        self._wait_workers_left(run)
+        components.dismiss_standby(run, ident)
+        components.wait_workers_left(run)
         self.sup.stop(timeout_s=STOP_TIMEOUT_S)
         summary = write_summary(run, last, self.started, t_components, time.time())
         log.info("run finished: %s", json.dumps({k: summary.get(k) for k in ("steps", "reward_last", "eval_accuracy")}))
         return 0
-
-    @staticmethod
-    def _wait_workers_left(run: RunDir) -> None:
-        """Give the workers, which watch for the finished marker, a moment to leave cleanly."""
-        deadline = time.monotonic() + LEAVE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                if components.dataflow_status(run, timeout_s=2)["workers"]["alive"] == 0:
-                    return
-            except TimeoutError:
-                return
-            time.sleep(0.2)
 
     def trainer_task(self, run: RunDir) -> int:
         cfg = run.config

@@ -32,6 +32,9 @@ class JobShape:
             raise ConfigError(f"--partitions: expected TRAINER,ROLLOUT[,DATAFLOW] partitions, got {','.join(partitions)!r}")
         trainer, rollout = partitions[0], partitions[1]
         dataflow = partitions[2] if len(partitions) == 3 else site.dataflow_partition
+        if cfg.rollout.workers < 1:
+            raise ConfigError("rollout.workers: a heterogeneous job needs >= 1 rollout task (its het group 2); "
+                              "standby workers (rollout.standby) join besides them")
         return cls((dataflow, trainer, rollout), (1, cfg.trainer.world * len(cfg.policy_names), cfg.rollout.workers))
 
 

@@ -62,6 +62,9 @@ def test_partitions_are_validated():
         JobShape.of(cfg, site, ["gpu-h100"])
     shape = JobShape.of(cfg, site, ["gpu-h100", "gpu-a100"])
     assert shape.partitions == ("cpu", "gpu-h100", "gpu-a100") and shape.tasks == (1, 1, 1)
+    standby_only = load_config(REPO / QUICKSTART, ["rollout.workers=0", "rollout.standby=/srv/standby"])
+    with pytest.raises(ConfigError, match=r"rollout\.workers: a heterogeneous job needs >= 1 rollout task"):
+        JobShape.of(standby_only, site, ["gpu-h100", "gpu-a100"])
 
 
 def test_unknown_site_key_lists_the_valid_ones(tmp_path: Path):
