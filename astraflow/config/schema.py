@@ -105,6 +105,9 @@ class PolicyConfig:
     max_staleness: int = runtime(2)  # max version lag at lease and at consumption
     buffer_capacity: int = runtime(4096)  # samples buffered before leases pause
     filter_zero_advantage: bool = runtime(True)
+    # GRPO divides a group's advantages by its reward std; false: mean baseline only
+    # (Dr. GRPO), so the scale of rewards across groups counts (a verifier's class weights)
+    advantage_std: bool = runtime(True)
     keep_versions: int = runtime(3)  # weight retention: last K published versions
     # The workflow role this policy plays in an episode: rlvr needs "policy",
     # solver_verifier and solve_and_check "solver" and "verifier", multi_turn_tool "agent".

@@ -175,8 +175,9 @@ def cached_mb(buffers: Iterable["PolicyBuffer"]) -> float:
     return sum(b.cached_tokens for b in buffers) * TOKEN_BYTES / (1 << 20)
 
 
-def group_stats(rewards: np.ndarray) -> tuple[float, float, np.ndarray]:
-    """GRPO group normalisation: mean, std and per-sample advantages (r - mean) / (std + eps)."""
+def group_stats(rewards: np.ndarray, scale: bool = True) -> tuple[float, float, np.ndarray]:
+    """GRPO group normalisation: mean, std and per-sample advantages (r - mean) / (std + eps),
+    or r - mean without `scale`."""
     mean = float(rewards.mean())
     std = float(rewards.std())
-    return mean, std, (rewards - mean) / (std + 1e-6)
+    return mean, std, (rewards - mean) / (std + 1e-6 if scale else 1.0)

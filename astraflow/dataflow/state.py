@@ -116,7 +116,7 @@ class DataflowState:
         for (tid, pi), members in groups.items():
             policy = self.policy_names[pi]
             rewards = np.array([r for _, r in members], dtype=np.float64)
-            mean, std, adv = group_stats(rewards)
+            mean, std, adv = group_stats(rewards, self.cfg.policy(policy).advantage_std)
             filtered = self._filtered(policy, rewards, std)
             for (sid, _), a in zip(members, adv):
                 info = infos[policy][sid]
@@ -378,7 +378,7 @@ class DataflowState:
         for pi in np.unique(policy_idx):
             policy = self.policy_names[pi]
             members = np.flatnonzero(policy_idx == pi)
-            mean, std, adv = group_stats(rewards[members])
+            mean, std, adv = group_stats(rewards[members], self.cfg.policy(policy).advantage_std)
             filtered = self._filtered(policy, rewards[members], std)
             buf = self.buffers[policy]
             for j, a in zip(members, adv):

@@ -1,11 +1,12 @@
 """Task sources, the lease table and per-policy buffers, each alone."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from astraflow.config.loader import ConfigError
 from astraflow.config.schema import TaskSourceConfig
-from astraflow.dataflow.buffers import CONSUMED, DROPPED, READY, PolicyBuffer, SampleInfo
+from astraflow.dataflow.buffers import CONSUMED, DROPPED, READY, PolicyBuffer, SampleInfo, group_stats
 from astraflow.dataflow.leases import TaskTable
 from astraflow.tasks.sources import TaskSource
 
@@ -112,3 +113,12 @@ def test_arithmetic_formats():
     assert padded["09+15="] == "42" and padded["99+99="] == "891"
     assert first(ops="-", answer="units")["23-9="] == "4"
     assert first(answer="parity")["7+8="] == "1"
+
+
+def test_group_advantages_with_and_without_the_std():
+    rewards = np.array([4.0, 0.0, 0.0, 0.0])  # a weighted right answer among three wrong ones
+    mean, std, adv = group_stats(rewards)
+    assert mean == 1.0 and adv == pytest.approx((rewards - 1.0) / np.sqrt(3.0), rel=1e-5)
+    _, _, plain = group_stats(rewards, scale=False)  # Dr. GRPO: the scale of the rewards stays
+    assert plain.tolist() == [3.0, -1.0, -1.0, -1.0]
+    assert group_stats(rewards * 10, scale=False)[2].tolist() == [30.0, -10.0, -10.0, -10.0]
