@@ -66,9 +66,15 @@ def sync_quota(state: "DataflowState", needed: tuple[str, ...], versions: dict[s
 
 
 def sync_round_ready(state: "DataflowState", step: int) -> bool:
-    """Whether every policy still training has its batch for this round (or took it already)."""
-    return all(state.buffers[p].trainer_step >= step or step in state.buffers[p].served
-               or _usable(state, p) >= state.cfg.trainer_for(p).batch_size for p in training(state))
+    """Whether every policy still training has its batch for this round (or took it already).
+    A policy counts only once it has finished the round before: a verifier that asked for
+    step 2 while the solver's step-1 batch still sat in the buffer was served it from its
+    surplus, the versions parted, and no round could start again (a sync bench stalled)."""
+    def ready(p: str) -> bool:
+        buf = state.buffers[p]
+        return (buf.trainer_step >= step or step in buf.served
+                or (buf.trainer_step == step - 1 and _usable(state, p) >= state.cfg.trainer_for(p).batch_size))
+    return all(ready(p) for p in training(state))
 
 
 def _usable(state: "DataflowState", policy: str) -> int:

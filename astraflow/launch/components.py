@@ -81,10 +81,10 @@ def invite_standby(run: RunDir) -> str:
 
 
 def dismiss_standby(run: RunDir, ident: str) -> None:
-    """Withdraw the run's invitation and let the standby workers hand their leases back."""
+    """Withdraw the run's invitation: its standby workers hand their leases back and leave
+    (`wait_workers_left` waits for that, and for the run's own workers)."""
     if ident:
         invitation.withdraw(Path(run.config.rollout.standby), ident)
-        wait_workers_left(run)
 
 
 def trainers_done(run: RunDir, status: dict) -> bool:

@@ -73,11 +73,13 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     except KeyboardInterrupt:
         components.dismiss_standby(run, ident)
         sup.stop(workers)
+        components.wait_workers_left(run)
         sup.stop()
         raise SystemExit(f"astraflow run: interrupted; resume with `astraflow run --run-dir {run.path}`") from None
     evaluation = start_eval(run)  # it reads only the published weights: it runs while the rest stops
     # workers first, so that they hand their leases back to a rank still listening
     components.dismiss_standby(run, ident)
     sup.stop(workers)
+    components.wait_workers_left(run)
     sup.stop()
     return write_summary(run, status, started, t_components, time.time(), evaluation)

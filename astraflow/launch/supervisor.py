@@ -156,7 +156,8 @@ class Supervisor:
         return finished
 
     def stop(self, names: list[str] | None = None, timeout_s: float = 10.0) -> None:
-        comps = [self.components[n] for n in names] if names else list(self.components.values())
+        """Stop the named components (an empty list: none), or all of them."""
+        comps = [self.components[n] for n in names] if names is not None else list(self.components.values())
         procs = [p for c in comps for p in c.procs if p.poll() is None]
         self._terminate(procs, timeout_s)
         for c in comps:

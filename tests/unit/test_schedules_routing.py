@@ -150,3 +150,22 @@ def test_without_coupling_a_full_buffer_holds_generation_back(make_state):
     for task in state.handle(m.Lease(w, 2, v0)).tasks:
         commit(state, w, task, solver_filtered=True)
     assert state.handle(m.Lease(w, 1, v0)).reason == "backpressure"  # the verifier trains on its own
+
+
+def test_sync_round_waits_until_every_policy_has_finished_the_previous_one(make_state):
+    state = make_state("schedule.mode=sync")
+    w = register(state, "w", ["solver", "verifier"])
+    for task in state.handle(m.Lease(w, 16, {"solver": 0, "verifier": 0})).tasks:
+        commit(state, w, task)  # 8 samples each: the solver's batch, two of the verifier's
+    assert state.handle(m.Batch("verifier", 1, 4, 0, 1, 0)) is not None
+    publish(state, "verifier", 1)
+    # the solver's step-1 batch is still in the buffer: it is not a batch for round 2
+    assert state.handle(m.Batch("verifier", 2, 4, 0, 1, 1)) is None
+    assert state.handle(m.Batch("solver", 1, 8, 0, 1, 0)) is not None
+    publish(state, "solver", 1)
+    assert state.handle(m.Batch("verifier", 2, 4, 0, 1, 1)) is None  # round 2 needs the solver's new batch
+    v1 = {"solver": 1, "verifier": 1}
+    for task in state.handle(m.Lease(w, 16, v1)).tasks:
+        commit(state, w, task, version=1)
+    assert state.handle(m.Batch("verifier", 2, 4, 0, 1, 1)) is not None
+    assert state.handle(m.Batch("solver", 2, 8, 0, 1, 1)) is not None
