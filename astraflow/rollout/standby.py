@@ -72,9 +72,14 @@ class StandbyWorker:
         try:
             run = RunDir.open(note["run_dir"])
             policies = self.policies or list(run.config.policy_names)
-            await self.ready_engines(run, policies)
         except (ConfigError, OSError) as e:
             log.error("cannot join the run announced in %s: %s", self.standby / ANNOUNCEMENT, e)
+            return
+        try:
+            await self.ready_engines(run, policies)
+        except Exception:  # noqa: BLE001 - a model it cannot load must not end a standing worker
+            log.exception("cannot load %s's models; waiting for the next run", run.path)
+            self.close_engines()
             return
         if self.stopping:
             return

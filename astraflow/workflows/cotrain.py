@@ -84,14 +84,15 @@ async def _exchange(task: Task, ctx: EpisodeContext, concatenated: bool) -> list
 
 class ClassPrior:
     """How often the answers a verifier judges are right, over this worker's last `window`
-    judgments (add-one smoothed, so it is never 0 or 1)."""
+    judgments, kept within [0.05, 0.95]: no class weight exceeds 10, even while the solver
+    is almost never (or always) right."""
 
     def __init__(self, window: int = 2048) -> None:
         self.recent: deque[bool] = deque(maxlen=window)
 
     def observe(self, truths: list[bool]) -> float:
         self.recent.extend(truths)
-        return (sum(self.recent) + 1) / (len(self.recent) + 2)
+        return min(0.95, max(0.05, sum(self.recent) / len(self.recent))) if self.recent else 0.5
 
 
 def balance(records: list[Trajectory], verifier: str, prior: ClassPrior) -> list[Trajectory]:

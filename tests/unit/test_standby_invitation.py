@@ -1,6 +1,8 @@
-"""The invitation file between a launcher and standby workers, and the config that asks for it."""
+"""The invitation file between a launcher and standby workers, the config that asks for it,
+and a standby worker that outlives a run it cannot join."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -45,3 +47,22 @@ def test_no_workers_needs_a_standby_directory():
         parse_config(BASE_CONFIG, overrides=["rollout.workers=0"])
     cfg = parse_config(BASE_CONFIG, overrides=["rollout.workers=0", "rollout.standby=/srv/standby"])
     assert cfg.rollout.standby == "/srv/standby" and cfg.rollout.workers == 0
+
+
+def test_a_run_a_standby_worker_cannot_join_is_logged_and_it_waits_for_the_next(tmp_path, caplog):
+    from astraflow.rollout.standby import StandbyWorker
+
+    standby = tmp_path / "standby"
+    announce(standby, tmp_path / "no-such-run")
+    worker = StandbyWorker(standby, [], "standby-0")
+
+    async def main() -> None:
+        serving = asyncio.create_task(worker.serve())
+        await asyncio.sleep(0.5)
+        assert not serving.done()  # still standing by
+        worker.stop()
+        await asyncio.wait_for(serving, 5)
+
+    asyncio.run(main())
+    assert "cannot join the run announced" in caplog.text and "not a run directory" in caplog.text
+    assert worker.runs == 0
