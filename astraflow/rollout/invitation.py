@@ -22,8 +22,7 @@ ANNOUNCEMENT = "run.json"
 
 def announce(standby: Path, run_path: Path) -> str:
     """Invite the standby workers in `standby` to join this run; returns the announcement id."""
-    standby.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_private(standby)
+    private_dir(standby)
     ident = f"{run_path.resolve()}@{time.time_ns()}"
     tmp = standby / f".{ANNOUNCEMENT}.{os.getpid()}"
     tmp.write_text(json.dumps({"run_dir": str(run_path.resolve()), "id": ident}))
@@ -50,6 +49,13 @@ def announced(standby: Path) -> dict | None:
         log.warning("%s: expected {\"run_dir\": str, \"id\": str}, got %r; ignoring it", standby / ANNOUNCEMENT, note)
         return None
     return note
+
+
+def private_dir(standby: Path) -> Path:
+    """The standby directory, created 0700 if missing, refused if others may write it."""
+    standby.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(standby)
+    return standby
 
 
 def check_private(standby: Path) -> None:

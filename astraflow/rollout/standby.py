@@ -30,8 +30,8 @@ from typing import Any
 from astraflow.config.loader import ConfigError
 from astraflow.config.rundir import RunDir
 from astraflow.models import policy_model_dir
-from astraflow.rollout.invitation import ANNOUNCEMENT, announced, check_private
-from astraflow.rollout.worker import RolloutWorker, build_engines, on_stop_signals
+from astraflow.rollout.invitation import ANNOUNCEMENT, announced, private_dir
+from astraflow.rollout.worker import RolloutWorker, build_engines, run_until_stopped
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +125,5 @@ class StandbyWorker:
 
 
 def run_standby(standby: str, policies: list[str], base_id: str) -> None:
-    path = Path(standby)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_private(path)
-    worker = StandbyWorker(path, policies, base_id)
-
-    async def main() -> None:
-        on_stop_signals(worker.stop)
-        await worker.serve()
-
-    asyncio.run(main())
+    worker = StandbyWorker(private_dir(Path(standby)), policies, base_id)
+    run_until_stopped(worker.stop, worker.serve)

@@ -26,7 +26,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -311,20 +311,19 @@ class RolloutWorker:
         self.stopping = True
 
 
-def on_stop_signals(stop: Callable[[], None]) -> None:
-    """SIGTERM, Ctrl-C and Slurm's warning signal (SIGUSR1) all mean: hand back and leave."""
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        loop.add_signal_handler(sig, stop)
+def run_until_stopped(stop: Callable[[], None], serve: Callable[[], Awaitable[None]]) -> None:
+    """Run `serve()`; SIGTERM, Ctrl-C and Slurm's warning signal (SIGUSR1) all call `stop`:
+    hand back and leave."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            loop.add_signal_handler(sig, stop)
+        await serve()
+
+    asyncio.run(main())
 
 
 def run_worker(run_dir: str, policies: list[str], worker_id: str | None) -> None:
     run = RunDir.open(run_dir)
     worker = RolloutWorker(run, policies or list(run.config.policy_names), worker_id or rollout_worker_id())
-
-    async def main() -> None:
-        on_stop_signals(worker.stop)
-        await worker.run()
-
-    asyncio.run(main())
-
+    run_until_stopped(worker.stop, worker.run)

@@ -88,11 +88,17 @@ class ClassPrior:
     is almost never (or always) right."""
 
     def __init__(self, window: int = 2048) -> None:
-        self.recent: deque[bool] = deque(maxlen=window)
+        self.window = window
+        self.recent: deque[bool] = deque()
+        self.right = 0  # of `recent`
 
     def observe(self, truths: list[bool]) -> float:
-        self.recent.extend(truths)
-        return min(0.95, max(0.05, sum(self.recent) / len(self.recent))) if self.recent else 0.5
+        for truth in truths:
+            self.recent.append(truth)
+            self.right += truth
+            if len(self.recent) > self.window:
+                self.right -= self.recent.popleft()
+        return min(0.95, max(0.05, self.right / len(self.recent))) if self.recent else 0.5
 
 
 def balance(records: list[Trajectory], verifier: str, prior: ClassPrior) -> list[Trajectory]:

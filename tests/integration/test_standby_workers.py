@@ -18,22 +18,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from astraflow.bench.multipolicy import registered_pids
 from astraflow.config.rundir import RunDir
 from astraflow.models import policy_model_dir
-from astraflow.store.journal import replay
 from astraflow.store.reader import load_rows, load_trajectory
-from astraflow.trainer.batch import TrainBatch, token_logprobs
 from tests.conftest import REPO, parity_prompts
+from tests.unit.test_models_engine import teacher_forced
 
 pytestmark = pytest.mark.integration
 
 OVERRIDES = ["trainer.steps=6", "trainer.batch_size=64", "trainer.lr=0.003", "warmup.steps=0", "tasks.warmup=0",
              "tasks.kind=jsonl", "engine.max_tokens=3", "engine.kind=hf", "rollout.concurrency=8",
              "rollout.workers=0", "policies.policy.filter_zero_advantage=false"]  # data, not learning
-
-
-def registered_pids(run_dir: Path) -> set[int]:
-    return {e["pid"] for e in replay(run_dir / "journal") if e["ev"] == "register"}
 
 
 def version0_logprobs_match_the_starting_model(run_dir: Path, n: int = 8) -> None:
@@ -44,12 +40,10 @@ def version0_logprobs_match_the_starting_model(run_dir: Path, n: int = 8) -> Non
     assert len(first) == n
     for shard, row in zip(first["shard"], first["row"]):
         t = load_trajectory(run_dir, shard, int(row))
-        seq = torch.tensor(t["tokens"][None].astype(np.int64))
-        batch = TrainBatch(seq, torch.ones_like(seq), seq[:, 1:], *[None] * 5)
-        with torch.no_grad():
-            lp = token_logprobs(model, batch, cfg.engine.temperature)[0].numpy()
-        generated = t["loss_mask"][1:].astype(bool)
-        np.testing.assert_allclose(t["logprobs"][1:][generated], lp[generated], atol=1e-4)
+        k = int(np.argmax(t["loss_mask"]))  # the prompt ends where the generated tokens start
+        lp = teacher_forced(model, t["tokens"][:k].tolist(), t["tokens"][k:], cfg.engine.temperature)
+        generated = t["loss_mask"][k:].astype(bool)
+        np.testing.assert_allclose(t["logprobs"][k:][generated], lp[generated], atol=1e-4)
 
 
 def test_a_standby_worker_serves_two_runs_in_turn_each_from_its_own_starting_weights(tmp_path):
@@ -68,7 +62,7 @@ def test_a_standby_worker_serves_two_runs_in_turn_each_from_its_own_starting_wei
                                    "--run-dir", str(run_dir), "--quiet", *sets],
                                   cwd=REPO, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, done.stderr[-3000:]
-            assert registered_pids(run_dir) == {worker.pid}
+            assert registered_pids(run_dir) == [worker.pid]
         assert worker.poll() is None, "the standby worker left with a run"
         text = (tmp_path / "standby.log").read_text()
         assert text.count("engines built") == 1 and text.count("engines kept") == 1, text[-3000:]
