@@ -18,9 +18,16 @@ and summary), served by the same engine processes: `rollout.workers` standby wor
 (`astraflow rollout --standby`), started once before the first run, join each run in turn
 and load its starting weights in place. The JSON names their pids and, per run, the pids
 that registered with its dataflow rank.
+
+With `--seeds`, each seed (`run.seed`: warm-up, sampling, trainer initialisation) runs its
+own pairs on the same engine processes; the top-level timings, final training rewards and
+held-out scores are medians over seeds, and `runs` holds every seed's details. One pair of
+20-update runs does not settle "equal rewards": between seeds of one mode, the solver's
+held-out accuracy after 60 updates differed by more than between the modes.
 """
 from __future__ import annotations
 
+import statistics
 import subprocess
 import tempfile
 from contextlib import contextmanager
@@ -45,6 +52,7 @@ WORKLOAD = {
     "policies.1.max_staleness": "2",
     "rollout.weight_poll_s": "0.05",
 }
+TIMINGS = ("async_s_per_iter", "sync_s_per_iter", "speedup")
 
 
 def seconds_per_iter(run_dir: Path, policies: list[str]) -> float:
@@ -80,6 +88,24 @@ def compare(config: str, overrides: list[str], root: Path) -> dict:
             "speedup": s["s_per_iter"] / a["s_per_iter"], "async": a, "sync": s}
 
 
+def timings(pair: dict) -> dict:
+    return {k: pair[k] for k in TIMINGS}
+
+
+def medians(runs: list[dict]) -> dict:
+    """Over seeds: each timing's median (the speedup's is the median of the per-seed
+    speedups), and per mode and policy the median final training reward and held-out score."""
+    out: dict = {k: statistics.median(r[k] for r in runs) for k in TIMINGS}
+    for mode in ("async", "sync"):
+        policies = runs[0][mode]["rewards"]
+        out[mode] = {"reward_last": {p: statistics.median(r[mode]["rewards"][p]["last"] for r in runs) for p in policies},
+                     "eval_last": {p: statistics.median(r[mode]["eval"][p]["last"] for r in runs)
+                                   for p in runs[0][mode]["eval"]}}
+    if "zero_latency" in runs[0]:
+        out["zero_latency"] = {k: statistics.median(r["zero_latency"][k] for r in runs) for k in TIMINGS}
+    return out
+
+
 @contextmanager
 def standby_workers(directory: Path, n: int) -> Iterator[list[int]]:
     """`n` standby rollout workers waiting in `directory`; stopped (leases handed back) after."""
@@ -98,7 +124,8 @@ def standby_workers(directory: Path, n: int) -> Iterator[list[int]]:
             p.wait()
 
 
-def run_bench(config: str, steps: int, extra: list[str], zero_latency: bool = True, run_dir: str | None = None) -> dict:
+def run_bench(config: str, steps: int, extra: list[str], zero_latency: bool = True, run_dir: str | None = None,
+              seeds: tuple[int, ...] = (0,)) -> dict:
     workload = {**WORKLOAD, "trainer.steps": str(steps)}
     overrides = [f"{k}={v}" for k, v in workload.items()] + list(extra)
     n_workers = load_config(config, overrides).rollout.workers
@@ -107,9 +134,13 @@ def run_bench(config: str, steps: int, extra: list[str], zero_latency: bool = Tr
         with standby_workers(root / "standby", n_workers) as pids:
             # the runs start no workers of their own: the standby workers serve them all
             overrides += ["rollout.workers=0", f"rollout.standby={root / 'standby'}"]
-            result = {"config": config, "workload": workload, "extra_overrides": list(extra),
-                      "engine_processes": pids, **compare(config, overrides, root / "latency")}
-            if zero_latency:
-                zero = compare(config, [*overrides, "workflow.env_latency_median_s=0"], root / "zero-latency")
-                result["zero_latency"] = {k: zero[k] for k in ("async_s_per_iter", "sync_s_per_iter", "speedup")}
-    return result
+            runs = []
+            for seed in seeds:
+                seeded = [*overrides, f"run.seed={seed}"]
+                run = {"seed": seed, **compare(config, seeded, root / f"seed-{seed}" / "latency")}
+                if zero_latency:
+                    zero = compare(config, [*seeded, "workflow.env_latency_median_s=0"], root / f"seed-{seed}" / "zero-latency")
+                    run["zero_latency"] = timings(zero)
+                runs.append(run)
+    return {"config": config, "workload": workload, "extra_overrides": list(extra), "seeds": list(seeds),
+            "engine_processes": pids, **medians(runs), "runs": runs}

@@ -167,7 +167,7 @@ def _bench_fuzz(args: argparse.Namespace) -> int:
 def _bench_multipolicy(args: argparse.Namespace) -> int:
     from astraflow.bench.multipolicy import run_bench
 
-    result = run_bench(args.config, args.steps, args.set, zero_latency=not args.no_zero_latency)
+    result = run_bench(args.config, args.steps, args.set, zero_latency=not args.no_zero_latency, seeds=tuple(args.seeds))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -328,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--config", default="configs/multi_policy.yaml")
     b.add_argument("--steps", type=int, default=20, help="updates per policy in each mode")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for both modes")
+    b.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed of each pair of runs (medians reported)")
     b.add_argument("--no-zero-latency", action="store_true", help="skip the pair of runs with env latency 0")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_multipolicy)
