@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from astraflow.analysis.metrics import read_metrics
 from astraflow.config.loader import load_config
@@ -100,14 +100,17 @@ def timings(pair: dict) -> dict:
 def medians(runs: list[dict]) -> dict:
     """Over seeds: each timing's median (the speedup's is the median of the per-seed
     speedups), and per mode and policy the median final training reward and held-out score."""
-    out: dict = {k: statistics.median(r[k] for r in runs) for k in TIMINGS}
+    def median(value: Callable[[dict], float]) -> float:
+        return statistics.median(value(r) for r in runs)
+
+    def last_per_policy(mode: str, key: str) -> dict:
+        return {p: median(lambda r: r[mode][key][p]["last"]) for p in runs[0][mode][key]}
+
+    out: dict = {k: median(lambda r: r[k]) for k in TIMINGS}
     for mode in ("async", "sync"):
-        policies = runs[0][mode]["rewards"]
-        out[mode] = {"reward_last": {p: statistics.median(r[mode]["rewards"][p]["last"] for r in runs) for p in policies},
-                     "eval_last": {p: statistics.median(r[mode]["eval"][p]["last"] for r in runs)
-                                   for p in runs[0][mode]["eval"]}}
+        out[mode] = {"reward_last": last_per_policy(mode, "rewards"), "eval_last": last_per_policy(mode, "eval")}
     if "zero_latency" in runs[0]:
-        out["zero_latency"] = {k: statistics.median(r["zero_latency"][k] for r in runs) for k in TIMINGS}
+        out["zero_latency"] = {k: median(lambda r: r["zero_latency"][k]) for k in TIMINGS}
     return out
 
 
@@ -141,11 +144,11 @@ def run_bench(config: str, steps: int, extra: list[str], zero_latency: bool = Tr
             overrides += ["rollout.workers=0", f"rollout.standby={root / 'standby'}"]
             runs = []
             for seed in seeds:
-                seeded = [*overrides, f"run.seed={seed}"]
-                run = {"seed": seed, **compare(config, seeded, root / f"seed-{seed}" / "latency")}
+                seeded, where = [*overrides, f"run.seed={seed}"], root / f"seed-{seed}"
+                run = {"seed": seed, **compare(config, seeded, where / "latency")}
                 if zero_latency:
-                    zero = compare(config, [*seeded, "workflow.env_latency_median_s=0"], root / f"seed-{seed}" / "zero-latency")
-                    run["zero_latency"] = timings(zero)
+                    run["zero_latency"] = timings(compare(config, [*seeded, "workflow.env_latency_median_s=0"],
+                                                          where / "zero-latency"))
                 runs.append(run)
     return {"config": config, "workload": workload, "extra_overrides": list(extra), "seeds": list(seeds),
             "engine_processes": pids, **medians(runs), "runs": runs}
