@@ -37,6 +37,14 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _answers(args: argparse.Namespace) -> int:
+    from astraflow.analysis.answers import answers_report, format_answers
+
+    report = answers_report(args.run_dir, args.buckets, args.top)
+    print(json.dumps(report, indent=2) if args.json else format_answers(report))
+    return 0
+
+
 def _audit(args: argparse.Namespace) -> int:
     from astraflow.analysis.audit import audit, format_audit
 
@@ -278,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_inspect)
+
+    p = sub.add_parser("answers", help="mean reward per reference answer over versions, from a run's shards")
+    p.add_argument("run_dir")
+    p.add_argument("--buckets", type=int, default=5, help="version ranges (default 5)")
+    p.add_argument("--top", type=int, default=40, help="show the N answers with most samples (default 40)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_answers)
 
     p = sub.add_parser("audit", help="check a run's exactly-once promises from its shards and journal (exit 1 if not)")
     p.add_argument("run_dir")

@@ -47,10 +47,18 @@ def to_tensors(reply: BatchReply, pad_id: int) -> TrainBatch:
                       torch.from_numpy(t.reward.astype(np.float32)))
 
 
-def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
-    """log pi(target | prefix) for every position, (B, L-1), of the policy the engines sample
-    from: softmax(logits / temperature). Scoring at temperature 1 instead would make the
-    on-policy ratio pi_prox / mu differ from 1 on every token (below 1 on likely tokens, above
-    on unlikely ones), so the importance weights would reshape the gradient even with no lag."""
+def token_scores(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(target | prefix) and the entropy of pi(. | prefix) (no gradient) for every position, each
+    (B, L-1), of the policy the engines sample from: softmax(logits / temperature). Scoring at
+    temperature 1 instead would make the on-policy ratio pi_prox / mu differ from 1 on every
+    token (below 1 on likely tokens, above on unlikely ones), so the importance weights would
+    reshape the gradient even with no lag."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1).gather(-1, batch.targets[..., None]).squeeze(-1)
+    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    with torch.no_grad():  # reported, not optimised
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, batch.targets[..., None]).squeeze(-1), entropy
+
+
+def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
+    return token_scores(model, batch, temperature)[0]

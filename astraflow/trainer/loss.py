@@ -10,7 +10,8 @@ dominate. With mu = pi_prox (fully on-policy) it is exactly PPO-clip. Why not pl
 truncated IS against mu alone: the clip region would then be centred on an old policy, and
 a few versions of lag would clip away most of the signal.
 
-Loss is averaged over all trainable tokens of the batch (token-mean).
+Loss is averaged over all trainable tokens of the batch (token-mean). The token-mean entropy
+of pi_theta is reported (not optimised): its fall shows the policy sharpening.
 """
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ class LossStats:
     clip_frac: float
     is_weight: float
     behaviour_kl: float
+    entropy: float
 
 
 def decoupled_ppo_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: torch.Tensor,
                        advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
-                       is_cap: float) -> tuple[torch.Tensor, LossStats]:
-    """All token tensors are (batch, tokens); `advantages` is (batch,); `mask` selects trained tokens."""
+                       is_cap: float, entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
+    """All token tensors are (batch, tokens); `advantages` is (batch,); `mask` selects trained
+    tokens; `entropy` (of pi_theta per position), if given, is reported."""
     mask = mask.float()
     n = mask.sum().clamp(min=1.0)
     weight = torch.exp(logp_prox - logp_behaviour).clamp(max=is_cap).detach()
@@ -42,5 +45,6 @@ def decoupled_ppo_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behavio
         clipped = ((ratio - 1).abs() > clip_eps).float()
         stats = LossStats(loss=float(loss), clip_frac=float((clipped * mask).sum() / n),
                           is_weight=float((weight * mask).sum() / n),
-                          behaviour_kl=float(((logp_behaviour - logp_prox) * mask).sum() / n))
+                          behaviour_kl=float(((logp_behaviour - logp_prox) * mask).sum() / n),
+                          entropy=float((entropy * mask).sum() / n) if entropy is not None else float("nan"))
     return loss, stats

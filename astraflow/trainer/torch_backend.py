@@ -39,7 +39,7 @@ from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, moved_to, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
 from astraflow.slurm.env import partition
-from astraflow.trainer.batch import to_tensors, token_logprobs
+from astraflow.trainer.batch import to_tensors, token_logprobs, token_scores
 from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, save_checkpoint
 from astraflow.trainer.loss import decoupled_ppo_loss
 from astraflow.trainer.lr import lr_at
@@ -53,8 +53,9 @@ STOP_POLL_S = 0.5  # how often a trainer waiting for a batch looks at its stop f
 
 class TrainerStopped(Exception):
     """A stop signal arrived while waiting for a batch."""
-METRIC_FIELDS = ("step", "time", "reward_mean", "reward_trained", "generated", "loss", "clip_frac", "is_weight", "behaviour_kl", "grad_norm",
-                 "samples", "tokens", "completion_len", "version_lag", "wait_s", "train_s")
+METRIC_FIELDS = ("step", "time", "reward_mean", "reward_trained", "generated", "loss", "clip_frac", "is_weight",
+                 "behaviour_kl", "entropy", "grad_norm", "samples", "tokens", "completion_len", "version_lag",
+                 "wait_s", "train_s")
 
 
 class TorchTrainer:
@@ -187,10 +188,10 @@ class TorchTrainer:
             group["lr"] = lr_at(self.tcfg, step)
         for lo in range(0, n, per):
             mb = batch.select(slice(lo, lo + per))
-            logp = token_logprobs(self.ddp, mb, self.temperature)
+            logp, entropy = token_scores(self.ddp, mb, self.temperature)
             prox = logp.detach() if lo == 0 else prox_rest[lo - per:lo]
             loss, stats = decoupled_ppo_loss(logp, prox, mb.behaviour_logp, mb.advantages, mb.loss_mask,
-                                             self.tcfg.clip_eps, self.tcfg.is_cap)
+                                             self.tcfg.clip_eps, self.tcfg.is_cap, entropy)
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip))
@@ -209,7 +210,8 @@ class TorchTrainer:
         return {"step": step, "time": time.time(), "reward_mean": reply.generated_reward_mean,
                 "reward_trained": float(batch.rewards.mean()), "generated": reply.generated_count,
                 "loss": stats.loss, "clip_frac": stats.clip_frac, "is_weight": stats.is_weight,
-                "behaviour_kl": stats.behaviour_kl, "grad_norm": grad_norm, "samples": n * self.world,
+                "behaviour_kl": stats.behaviour_kl, "entropy": stats.entropy, "grad_norm": grad_norm,
+                "samples": n * self.world,
                 "tokens": int(batch.attention_mask.sum()) * self.world, "completion_len": trained / max(1, n),
                 "version_lag": lag, "wait_s": wait, "train_s": time.perf_counter() - t0 - wait}
 

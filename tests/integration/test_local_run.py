@@ -76,6 +76,7 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     steps = [int(r["step"]) for r in metric_rows(run_dir)]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))  # resumed from its checkpoint, no gap
+    assert all(0 < float(r["entropy"]) < np.log(256) for r in metric_rows(run_dir))
 
     # every stored trajectory is consistent with what the trainer consumed
     df = load_rows(run_dir)
@@ -88,6 +89,11 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
     assert len(trained) == len(set(trained)) == STEPS * BATCH  # nothing trained twice
     assert set(trained) <= set(df["sample_id"])
     assert set(df["policy"]) == {"policy"} and df["version_max"].max() <= STEPS
+    # the same shards split by the task's answer (the parity: "0" or "1")
+    answers = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "answers", str(run_dir), "--json"],
+                             cwd=REPO, capture_output=True, text=True, check=True)
+    by_answer = json.loads(answers.stdout)["policies"]["policy"]["answers"]
+    assert [r["answer"] for r in by_answer] == ["0", "1"] and sum(r["samples"] for r in by_answer) == len(df)
     for path in iter_shards(run_dir):
         reader = ShardReader(path)
         for row in np.linspace(0, reader.n_rows - 1, 20).astype(int):

@@ -13,7 +13,7 @@ from astraflow.models.factory import make_model
 from astraflow.models.tokenizer import TextCodec
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.rollout.engines.hf import HFEngine
-from astraflow.trainer.batch import TrainBatch, token_logprobs
+from astraflow.trainer.batch import TrainBatch, token_logprobs, token_scores
 from astraflow.weights.fs import load_state_dict, path_of, publish
 
 
@@ -29,6 +29,19 @@ def teacher_forced(model, prompt: list[int], tokens: np.ndarray, temperature: fl
     batch = TrainBatch(seq, torch.ones_like(seq), seq[:, 1:], *[None] * 5)
     with torch.no_grad():
         return token_logprobs(model, batch, temperature)[0, len(prompt) - 1:].numpy()
+
+
+def test_entropy_is_that_of_the_sampled_distribution(model_dir):
+    """The trainer reports the entropy of softmax(logits / T): within [0, log V], higher at a
+    higher temperature, and log V as T grows without bound; it carries no gradient."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    seq = torch.tensor([TextCodec(model_dir).encode_prompt("12+7=19")])
+    batch = TrainBatch(seq, torch.ones_like(seq), seq[:, 1:], *[None] * 5)
+    vocab = model.config.vocab_size
+    cold, warm, flat = (token_scores(model, batch, t)[1] for t in (0.5, 2.0, 1e6))
+    assert not cold.requires_grad and cold.shape == batch.targets.shape
+    assert (cold >= 0).all() and (cold < warm).all() and (warm <= np.log(vocab) + 1e-5).all()
+    torch.testing.assert_close(flat, torch.full_like(flat, np.log(vocab)), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

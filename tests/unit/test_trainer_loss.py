@@ -33,10 +33,12 @@ def test_stale_tokens_are_reweighted_and_the_weight_is_truncated():
 
 def test_masked_tokens_do_not_contribute():
     logp = torch.zeros(1, 3, requires_grad=True)
-    loss, _ = decoupled_ppo_loss(logp, logp.detach(), logp.detach(), torch.tensor([1.0]),
-                                 torch.tensor([[0.0, 1.0, 0.0]]), 0.2, 2.0)
+    entropy = torch.tensor([[9.0, 0.5, 9.0]])
+    loss, stats = decoupled_ppo_loss(logp, logp.detach(), logp.detach(), torch.tensor([1.0]),
+                                     torch.tensor([[0.0, 1.0, 0.0]]), 0.2, 2.0, entropy)
     loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 2] == 0 and logp.grad[0, 1] != 0
+    assert stats.entropy == 0.5  # reported over trained tokens only
 
 
 def test_batch_targets_are_shifted_with_their_masks():
