@@ -212,6 +212,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     clip_eps: float = 0.2
     is_cap: float = 2.0  # truncation of the behaviour importance weight (decoupled PPO)
+    # Weight of KL(starting policy || policy) per trained token (trainer/loss.py): keeps
+    # answers the policy rarely gets right from dying out early (docs/architecture.md).
+    ref_kl: float = 0.0
     minibatches: int = 1
     checkpoint_every: int = 10
     world: int = 1

@@ -47,7 +47,8 @@ def to_tensors(reply: BatchReply, pad_id: int) -> TrainBatch:
                       torch.from_numpy(t.reward.astype(np.float32)))
 
 
-def token_scores(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_scores(model: torch.nn.Module, batch: TrainBatch, temperature: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """log pi(target | prefix) and the entropy of pi(. | prefix) (no gradient) for every position, each
     (B, L-1), of the policy the engines sample from: softmax(logits / temperature). Scoring at
     temperature 1 instead would make the on-policy ratio pi_prox / mu differ from 1 on every
@@ -57,7 +58,7 @@ def token_scores(model: torch.nn.Module, batch: TrainBatch, temperature: float) 
     logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
     with torch.no_grad():  # reported, not optimised
         entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, batch.targets[..., None]).squeeze(-1), entropy
+    return logp.gather(-1, batch.targets[..., None]).squeeze(-1), entropy, logp
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:

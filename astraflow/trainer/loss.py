@@ -12,6 +12,13 @@ a few versions of lag would clip away most of the signal.
 
 Loss is averaged over all trainable tokens of the batch (token-mean). The token-mean entropy
 of pi_theta is reported (not optimised): its fall shows the policy sharpening.
+
+`forward_kl` is KL(pi_ref || pi_theta) to the starting policy, added with weight
+`trainer.ref_kl`. This direction, not GRPO's KL(pi_theta || pi_ref): as pi_theta drops a token
+the reference gave probability, the gradient on its logit stays about pi_theta - pi_ref
+instead of vanishing, so an answer that is rarely right keeps being sampled until the policy
+can tell its prompts apart (an entropy bonus, whose pull vanishes with the probability, did
+not keep it on the quickstart).
 """
 from __future__ import annotations
 
@@ -48,3 +55,10 @@ def decoupled_ppo_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behavio
                           behaviour_kl=float(((logp_behaviour - logp_prox) * mask).sum() / n),
                           entropy=float((entropy * mask).sum() / n) if entropy is not None else float("nan"))
     return loss, stats
+
+
+def forward_kl(ref_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(pi_ref || pi_theta) per trained token, token-mean; both (batch, tokens, vocab)."""
+    mask = mask.float()
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+    return (kl * mask).sum() / mask.sum().clamp(min=1.0)

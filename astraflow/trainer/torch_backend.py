@@ -41,7 +41,7 @@ from astraflow.protocol.codec import RemoteError
 from astraflow.slurm.env import partition
 from astraflow.trainer.batch import to_tensors, token_logprobs, token_scores
 from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, save_checkpoint
-from astraflow.trainer.loss import decoupled_ppo_loss
+from astraflow.trainer.loss import decoupled_ppo_loss, forward_kl
 from astraflow.trainer.lr import lr_at
 from astraflow.weights.fs import publish, verify, version_dir
 
@@ -69,6 +69,11 @@ class TorchTrainer:
         self.base_dir = policy_model_dir(run.path, run.config, policy)
         self.codec = TextCodec(self.base_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+        # the starting policy, frozen, for the KL term (`trainer.ref_kl`; its value is the
+        # `kl_ref` metric, a column only of runs that have it)
+        self.ref = (AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32).eval().requires_grad_(False)
+                    if self.tcfg.ref_kl else None)
+        self.metric_fields = METRIC_FIELDS + (("kl_ref",) if self.ref is not None else ())
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
         self.ckpt_dir = run.path / "checkpoints" / policy
         self.step = 0
@@ -154,13 +159,13 @@ class TorchTrainer:
         path = self.run.path / "metrics" / f"{self.policy}.csv"
         new_file = not path.exists()
         with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, METRIC_FIELDS)
+            writer = csv.DictWriter(f, self.metric_fields)
             if new_file:
                 writer.writeheader()
             writer.writerow(row)
         if self.board is None:
             self.board = SummaryWriter(str(self.run.path / "metrics" / "tensorboard" / self.policy))
-        for key in METRIC_FIELDS[2:]:
+        for key in self.metric_fields[2:]:
             self.board.add_scalar(f"{self.policy}/{key}", row[key], row["step"], walltime=row["time"])
         self.board.flush()
 
@@ -188,10 +193,17 @@ class TorchTrainer:
             group["lr"] = lr_at(self.tcfg, step)
         for lo in range(0, n, per):
             mb = batch.select(slice(lo, lo + per))
-            logp, entropy = token_scores(self.ddp, mb, self.temperature)
+            logp, entropy, logp_all = token_scores(self.ddp, mb, self.temperature)
             prox = logp.detach() if lo == 0 else prox_rest[lo - per:lo]
             loss, stats = decoupled_ppo_loss(logp, prox, mb.behaviour_logp, mb.advantages, mb.loss_mask,
                                              self.tcfg.clip_eps, self.tcfg.is_cap, entropy)
+            extra = {}
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref_all = token_scores(self.ref, mb, self.temperature)[2]
+                kl = forward_kl(ref_all, logp_all, mb.loss_mask)
+                loss = loss + self.tcfg.ref_kl * kl
+                extra["kl_ref"] = float(kl)
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip))
@@ -213,7 +225,7 @@ class TorchTrainer:
                 "behaviour_kl": stats.behaviour_kl, "entropy": stats.entropy, "grad_norm": grad_norm,
                 "samples": n * self.world,
                 "tokens": int(batch.attention_mask.sum()) * self.world, "completion_len": trained / max(1, n),
-                "version_lag": lag, "wait_s": wait, "train_s": time.perf_counter() - t0 - wait}
+                "version_lag": lag, "wait_s": wait, "train_s": time.perf_counter() - t0 - wait, **extra}
 
     def _all_sample_ids(self, reply: m.BatchReply) -> list[int]:
         ids = reply.sample_ids.tolist()

@@ -106,8 +106,9 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
 
 
 def test_two_trainer_ranks_train_one_batch_per_step_together(tmp_path):
+    """Two DDP ranks, each a slice of every step, with the KL term's frozen reference model."""
     run_dir = tmp_path / "run"
-    overrides = [*OVERRIDES, "trainer.world=2", "trainer.steps=4", "rollout.workers=1",
+    overrides = [*OVERRIDES, "trainer.world=2", "trainer.steps=4", "rollout.workers=1", "trainer.ref_kl=0.5",
                  f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
     out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
                           "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]],
@@ -119,3 +120,6 @@ def test_two_trainer_ranks_train_one_batch_per_step_together(tmp_path):
     ready = [ev for ev in replay(run_dir / "journal") if ev["ev"] == "ready"]
     assert ready and all(ev["world"] == 2 for ev in ready)
     assert [int(r["samples"]) for r in metric_rows(run_dir)] == [BATCH] * 4
+    # the KL to the starting policy: 0 before the first update, small after one, then growing
+    kl = [float(r["kl_ref"]) for r in metric_rows(run_dir)]
+    assert 0 < kl[0] < 0.05 and all(k > 0 for k in kl) and max(kl) > kl[0]

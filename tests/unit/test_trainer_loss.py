@@ -9,7 +9,7 @@ from astraflow.bench.payload import random_trajectory
 from astraflow.config.schema import TrainerConfig
 from astraflow.protocol import messages as m
 from astraflow.trainer.batch import to_tensors
-from astraflow.trainer.loss import decoupled_ppo_loss
+from astraflow.trainer.loss import decoupled_ppo_loss, forward_kl
 from astraflow.trainer.lr import lr_at
 
 
@@ -39,6 +39,22 @@ def test_masked_tokens_do_not_contribute():
     loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 2] == 0 and logp.grad[0, 1] != 0
     assert stats.entropy == 0.5  # reported over trained tokens only
+
+
+def test_forward_kl_keeps_pulling_up_a_token_the_policy_dropped():
+    """KL(pi_ref || pi): zero at the reference; for a token pi has all but dropped, the
+    gradient on its logit stays about pi - pi_ref (a pull that does not vanish with pi, as an
+    entropy bonus's does); masked positions do not count."""
+    ref = torch.log_softmax(torch.tensor([[[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]]]), -1)
+    mask = torch.tensor([[1.0, 0.0]])
+    assert forward_kl(ref, ref.clone(), mask).abs() < 1e-7
+    logits = torch.tensor([[[5.0, 1.0, -9.0], [-9.0, -9.0, 9.0]]], requires_grad=True)
+    kl = forward_kl(ref, torch.log_softmax(logits, -1), mask)
+    kl.backward()
+    p = torch.softmax(logits[0, 0].detach(), -1)
+    assert torch.isclose(kl, (ref[0, 0].exp() * (ref[0, 0] - p.log())).sum())  # the masked row is left out
+    torch.testing.assert_close(logits.grad[0, 0], p - ref[0, 0].exp())
+    assert logits.grad[0, 0, 2] < -0.05 and (logits.grad[0, 1] == 0).all()
 
 
 def test_batch_targets_are_shifted_with_their_masks():
