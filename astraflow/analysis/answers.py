@@ -4,9 +4,10 @@ right, or got right at first and lost.
 
 A training reward that stalls is an average; this splits it by the task's answer (the
 `answer` of the prompt source, found from the task id). On the quickstart it showed that
-the reward stops near 0.8 because samples for answers 10 and 20-25 (18% of prompts) are
-right 1-17% of the time at first and never after version 60-180, while every other answer
-ends above 0.9 (docs/architecture.md, "Measured so far").
+the reward stops under 0.8 because the answers 10 and 20-27 (18.6% of the samples), right
+0-7% of the time under the starting weights, are never right after the first 60-180
+versions, while every other answer ends at 0.82-0.98 (docs/architecture.md, "Measured so
+far").
 
 Reads the shards (SWMR, so a live run works too) and the run's config; no torch. Versions
 are split into `buckets` equal ranges of `version_min`, the oldest weights in a sample.

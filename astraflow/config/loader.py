@@ -119,6 +119,8 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
     t = cfg.trainer
     if t.lr_warmup_steps < 0 or not 0.0 <= t.lr_min_ratio <= 1.0:
         raise ConfigError(f"{where.at('trainer')}: trainer: expected lr_warmup_steps >= 0 and 0 <= lr_min_ratio <= 1")
+    if t.ref_kl < 0:
+        raise ConfigError(f"{where.at('trainer.ref_kl')}: trainer.ref_kl: expected >= 0 (0: no KL term), got {t.ref_kl}")
 
 
 def _check_roles(cfg: Config, where: _Where) -> None:

@@ -49,8 +49,9 @@ def to_tensors(reply: BatchReply, pad_id: int) -> TrainBatch:
 
 def token_scores(model: torch.nn.Module, batch: TrainBatch, temperature: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log pi(target | prefix) and the entropy of pi(. | prefix) (no gradient) for every position, each
-    (B, L-1), of the policy the engines sample from: softmax(logits / temperature). Scoring at
+    """For every position, of the policy the engines sample from, softmax(logits / temperature):
+    log pi(target | prefix) and the entropy of pi(. | prefix) (no gradient), each (B, L-1), and
+    the whole log pi(. | prefix), (B, L-1, V), for the KL to the starting policy. Scoring at
     temperature 1 instead would make the on-policy ratio pi_prox / mu differ from 1 on every
     token (below 1 on likely tokens, above on unlikely ones), so the importance weights would
     reshape the gradient even with no lag."""
@@ -62,4 +63,5 @@ def token_scores(model: torch.nn.Module, batch: TrainBatch, temperature: float
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
+    """log pi(target | prefix), (B, L-1): see `token_scores`."""
     return token_scores(model, batch, temperature)[0]

@@ -48,6 +48,8 @@ def test_choices_are_listed():
         parse_config(BASE_CONFIG, overrides=["trainer.lr_schedule=step"])
     with pytest.raises(ConfigError, match=r"trainer: expected lr_warmup_steps >= 0 and 0 <= lr_min_ratio <= 1"):
         parse_config(BASE_CONFIG, overrides=["trainer.lr_min_ratio=2.0"])
+    with pytest.raises(ConfigError, match=r"trainer.ref_kl: expected >= 0 \(0: no KL term\), got -0.1"):
+        parse_config(BASE_CONFIG, overrides=["trainer.ref_kl=-0.1"])
 
 
 def test_duplicate_policy_rejected():
