@@ -56,11 +56,12 @@ def answers_report(run_dir: str | Path, buckets: int = 5, top: int = 40) -> dict
         for answer in sorted(counts.index[:top], key=_answer_key):
             reward = [None if np.isnan(v) else round(float(v), 3) for v in means.loc[answer].reindex(range(buckets))]
             rows.append({"answer": answer, "samples": int(counts[answer]), "reward": reward})
-        first, last = means.get(0), means.get(buckets - 1)
         low = (means.fillna(0.0) < LOST_BELOW).all(axis=1)
         never = sorted(low.index[low], key=_answer_key)
-        lost = sorted((a for a in means.index if a not in never and first is not None and last is not None
-                       and first[a] >= LOST_BELOW and last[a] < LOST_BELOW), key=_answer_key)
+        lost = []
+        if 0 in means and buckets - 1 in means:
+            dropped = (means[0] >= LOST_BELOW) & (means[buckets - 1] < LOST_BELOW)
+            lost = sorted(dropped.index[dropped], key=_answer_key)
         report["policies"][policy] = {
             "versions": [f"v{int(np.ceil(lo))}-{int(np.ceil(hi)) - 1}" for lo, hi in zip(edges[:-1], edges[1:])],
             "answers": rows, "distinct_answers": int(len(counts)),

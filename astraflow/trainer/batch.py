@@ -47,21 +47,25 @@ def to_tensors(reply: BatchReply, pad_id: int) -> TrainBatch:
                       torch.from_numpy(t.reward.astype(np.float32)))
 
 
+def log_policy(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
+    """log pi(. | prefix) for every position, (B, L-1, V), of the policy the engines sample
+    from: softmax(logits / temperature). Scoring at temperature 1 instead would make the
+    on-policy ratio pi_prox / mu differ from 1 on every token (below 1 on likely tokens, above
+    on unlikely ones), so the importance weights would reshape the gradient even with no lag."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+
+
 def token_scores(model: torch.nn.Module, batch: TrainBatch, temperature: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For every position, of the policy the engines sample from, softmax(logits / temperature):
-    log pi(target | prefix) and the entropy of pi(. | prefix) (no gradient), each (B, L-1), and
-    the whole log pi(. | prefix), (B, L-1, V), for the KL to the starting policy. Scoring at
-    temperature 1 instead would make the on-policy ratio pi_prox / mu differ from 1 on every
-    token (below 1 on likely tokens, above on unlikely ones), so the importance weights would
-    reshape the gradient even with no lag."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    """What the trainer needs of the minibatch it optimises: log pi(target | prefix) and the
+    entropy of pi(. | prefix) (no gradient), each (B, L-1), and the whole `log_policy`."""
+    logp = log_policy(model, batch, temperature)
     with torch.no_grad():  # reported, not optimised
         entropy = -(logp.exp() * logp).sum(-1)
     return logp.gather(-1, batch.targets[..., None]).squeeze(-1), entropy, logp
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
-    """log pi(target | prefix), (B, L-1): see `token_scores`."""
-    return token_scores(model, batch, temperature)[0]
+    """log pi(target | prefix), (B, L-1): see `log_policy`."""
+    return log_policy(model, batch, temperature).gather(-1, batch.targets[..., None]).squeeze(-1)

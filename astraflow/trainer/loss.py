@@ -41,24 +41,26 @@ def decoupled_ppo_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behavio
                        is_cap: float, entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
     """All token tensors are (batch, tokens); `advantages` is (batch,); `mask` selects trained
     tokens; `entropy` (of pi_theta per position), if given, is reported."""
-    mask = mask.float()
-    n = mask.sum().clamp(min=1.0)
     weight = torch.exp(logp_prox - logp_behaviour).clamp(max=is_cap).detach()
     ratio = torch.exp(logp - logp_prox.detach())
     adv = advantages[:, None]
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    loss = -(weight * surrogate * mask).sum() / n
+    loss = -token_mean(weight * surrogate, mask)
     with torch.no_grad():
         clipped = ((ratio - 1).abs() > clip_eps).float()
-        stats = LossStats(loss=float(loss), clip_frac=float((clipped * mask).sum() / n),
-                          is_weight=float((weight * mask).sum() / n),
-                          behaviour_kl=float(((logp_behaviour - logp_prox) * mask).sum() / n),
-                          entropy=float((entropy * mask).sum() / n) if entropy is not None else float("nan"))
+        stats = LossStats(loss=float(loss), clip_frac=float(token_mean(clipped, mask)),
+                          is_weight=float(token_mean(weight, mask)),
+                          behaviour_kl=float(token_mean(logp_behaviour - logp_prox, mask)),
+                          entropy=float(token_mean(entropy, mask)) if entropy is not None else float("nan"))
     return loss, stats
+
+
+def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` (batch, tokens) over the tokens `mask` selects (0 if it selects none)."""
+    mask = mask.float()
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def forward_kl(ref_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """KL(pi_ref || pi_theta) per trained token, token-mean; both (batch, tokens, vocab)."""
-    mask = mask.float()
-    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
-    return (kl * mask).sum() / mask.sum().clamp(min=1.0)
+    return token_mean((ref_logp.exp() * (ref_logp - logp)).sum(-1), mask)

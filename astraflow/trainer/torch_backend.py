@@ -39,7 +39,7 @@ from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, moved_to, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
 from astraflow.slurm.env import partition
-from astraflow.trainer.batch import to_tensors, token_logprobs, token_scores
+from astraflow.trainer.batch import log_policy, to_tensors, token_logprobs, token_scores
 from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, save_checkpoint
 from astraflow.trainer.loss import decoupled_ppo_loss, forward_kl
 from astraflow.trainer.lr import lr_at
@@ -200,7 +200,7 @@ class TorchTrainer:
             extra = {}
             if self.ref is not None:
                 with torch.no_grad():
-                    ref_all = token_scores(self.ref, mb, self.temperature)[2]
+                    ref_all = log_policy(self.ref, mb, self.temperature)
                 kl = forward_kl(ref_all, logp_all, mb.loss_mask)
                 loss = loss + self.tcfg.ref_kl * kl
                 extra["kl_ref"] = float(kl)
