@@ -11,6 +11,8 @@ far").
 
 Reads the shards (SWMR, so a live run works too) and the run's config; no torch. Versions
 are split into `buckets` equal ranges of `version_min`, the oldest weights in a sample.
+Rewards and sample counts are of what the policy sampled; reference answers a run added to
+all-wrong groups (`workflow.reference_guidance`) are counted apart, as `guided`.
 """
 from __future__ import annotations
 
@@ -47,7 +49,10 @@ def answers_report(run_dir: str | Path, buckets: int = 5, top: int = 40) -> dict
         return report
     answer_of = {tid: source.item(int(tid)).answer for tid in sorted(df["task_id"].unique())}
     df["answer"] = df["task_id"].map(answer_of)
-    for policy, g in df.groupby("policy"):
+    for policy, everything in df.groupby("policy"):
+        # rewards are of what the policy sampled; reference answers (guided) are only counted
+        guided = everything.loc[everything["guided"] == 1, "answer"].value_counts()
+        g = everything[everything["guided"] == 0]
         edges = np.linspace(0, int(g["version_min"].max()) + 1, buckets + 1)
         bucket = np.clip(np.digitize(g["version_min"], edges) - 1, 0, buckets - 1)
         means = g.groupby(["answer", bucket])["reward"].mean().unstack()
@@ -55,7 +60,8 @@ def answers_report(run_dir: str | Path, buckets: int = 5, top: int = 40) -> dict
         rows = []
         for answer in sorted(counts.index[:top], key=_answer_key):
             reward = [None if np.isnan(v) else round(float(v), 3) for v in means.loc[answer].reindex(range(buckets))]
-            rows.append({"answer": answer, "samples": int(counts[answer]), "reward": reward})
+            rows.append({"answer": answer, "samples": int(counts[answer]), "guided": int(guided.get(answer, 0)),
+                         "reward": reward})
         low = (means.fillna(0.0) < LOST_BELOW).all(axis=1)
         never = sorted(low.index[low], key=_answer_key)
         lost = []
@@ -77,10 +83,10 @@ def format_answers(r: dict[str, Any]) -> str:
         shown = len(p["answers"])
         more = f" (the {shown} most frequent of {p['distinct_answers']})" if shown < p["distinct_answers"] else ""
         lines.append(f"policy {policy}{more}:")
-        lines.append(f"  {'answer':>8} {'samples':>8} " + " ".join(f"{v:>9}" for v in p["versions"]))
+        lines.append(f"  {'answer':>8} {'samples':>8} {'guided':>7} " + " ".join(f"{v:>9}" for v in p["versions"]))
         for row in p["answers"]:
             cells = " ".join(f"{'-' if x is None else f'{x:.2f}':>9}" for x in row["reward"])
-            lines.append(f"  {row['answer'][:8]:>8} {row['samples']:>8} {cells}")
+            lines.append(f"  {row['answer'][:8]:>8} {row['samples']:>8} {row['guided']:>7} {cells}")
         for name, what in (("lost", "rewarded at first, below 1% at the end"), ("never", "below 1% throughout")):
             if p[name]:
                 lines.append(f"  {what}: {', '.join(p[name])} ({p[name + '_share']:.1%} of samples)")

@@ -67,16 +67,18 @@ def inspect_run(run_dir: str | Path, live: bool = True) -> dict[str, Any]:
     for policy, g in df.groupby("policy"):
         lag = (g["version_at_commit"] - g["version_min"]).clip(lower=0)
         bucket = np.clip(np.digitize(g["t_commit"], edges) - 1, 0, TIMELINE_BUCKETS - 1)
+        sampled = g["guided"] == 0  # rewards are of what the policy generated, not of references
         timeline = []
         for b in range(TIMELINE_BUCKETS):
-            sel = g[bucket == b]
-            timeline.append({"t_s": round(float(edges[b] - t0), 3), "trajectories": int(len(sel)),
+            sel = g[(bucket == b) & sampled]
+            timeline.append({"t_s": round(float(edges[b] - t0), 3), "trajectories": int((bucket == b).sum()),
                              "reward_mean": float(sel["reward"].mean()) if len(sel) else None})
         report["policies"][policy] = {
             "trajectories": int(len(g)),
+            "guided": int((~sampled).sum()),
             "tokens": int(g["length"].sum()),
-            "reward_mean": float(g["reward"].mean()),
-            "reward_std": float(g["reward"].std(ddof=0)),
+            "reward_mean": float(g["reward"][sampled].mean()),
+            "reward_std": float(g["reward"][sampled].std(ddof=0)),
             "version_lag": {str(k): int(v) for k, v in lag.value_counts().sort_index().items()},
             "per_worker": {str(k): int(v) for k, v in g["worker"].value_counts().items()},
             "consumed": consumed.get(policy, 0),
@@ -98,7 +100,8 @@ def format_report(r: dict[str, Any]) -> str:
         if r[name]:
             lines.append(f"  {name}: {', '.join(r[name])}")
     for policy, p in r["policies"].items():
-        lines.append(f"policy {policy}: {p['trajectories']} trajectories, {p['tokens']} tokens, "
+        guided = f" ({p['guided']} guided references)" if p["guided"] else ""
+        lines.append(f"policy {policy}: {p['trajectories']} trajectories{guided}, {p['tokens']} tokens, "
                      f"reward {p['reward_mean']:.3f} ± {p['reward_std']:.3f}, consumed {p['consumed']} "
                      f"(trainer step {p['trainer_step']})")
         lines.append("  version lag: " + ", ".join(f"{k}: {v}" for k, v in p["version_lag"].items()))

@@ -170,6 +170,11 @@ class RolloutConfig:
 class WorkflowConfig:
     """Parameters of the multi-policy and agentic workflows."""
     retry: bool = False  # solver_verifier: the solver answers once more after a rejection
+    # rlvr: a group whose sampled answers all scored 0 gets the reference answer as one more
+    # member, scored (not sampled) by the engine, so a prompt the policy cannot yet solve
+    # still teaches it something instead of being filtered (off-policy guidance, as in LUFFY,
+    # arXiv 2504.14945). Its reward is never counted as a generated reward.
+    reference_guidance: bool = False
     max_turns: int = 3  # multi_turn_tool: agent turns per episode
     # multi_turn_tool: "builtin" (an environment server each worker starts on loopback) or
     # the http:// URL of an environment server

@@ -55,7 +55,7 @@ class PolicyBuffer:
     served: dict[int, list[int]] = field(default_factory=dict)
     consumed: dict[int, list[int]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("stored", "served", "consumed", "dropped_stale", "filtered", "replayed", "unused"), 0))
+        ("stored", "guided", "served", "consumed", "dropped_stale", "filtered", "replayed", "unused"), 0))
     trainer_step: int = 0
     trainer_version: int = 0
     reward_sum: float = 0.0  # of every sample added since `generated_reward()` was last read
@@ -67,11 +67,16 @@ class PolicyBuffer:
             self.cached_tokens -= info.tokens
         info.state, info.payload = state, None
 
-    def add(self, info: SampleInfo, filtered: bool, reward: float) -> None:
+    def add(self, info: SampleInfo, filtered: bool, reward: float, guided: bool = False) -> None:
+        """Store a sample. A guided one (a reference answer, not sampled) is trained like any
+        other but counted apart, and never in the generated reward."""
         self.samples[info.sample_id] = info
         self.counts["stored"] += 1
-        self.reward_sum += reward
-        self.reward_count += 1
+        if guided:
+            self.counts["guided"] += 1
+        else:
+            self.reward_sum += reward
+            self.reward_count += 1
         if info.payload is not None:
             self.cached_tokens += info.tokens
         if filtered:

@@ -103,6 +103,7 @@ class DataflowState:
     def recover(self) -> None:
         infos: dict[str, dict[int, SampleInfo]] = {p: {} for p in self.policy_names}
         groups: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
+        guided: dict[str, int] = dict.fromkeys(self.policy_names, 0)
         done: set[int] = set()
         for idx, reader, rows in self.store.recover():
             names = reader.policy_names
@@ -110,6 +111,7 @@ class DataflowState:
                 sid, tid = int(rows["sample_id"][r]), int(rows["task_id"][r])
                 policy = names[int(rows["policy"][r])]
                 infos[policy][sid] = SampleInfo(sid, tid, int(rows["version_min"][r]), 0.0, 0.0, 0.0, (idx, r))
+                guided[policy] += int(rows["guided"][r])
                 groups[(tid, self.policy_index[policy])].append((sid, float(rows["reward"][r])))
                 done.add(tid)
                 self.next_sample_id = max(self.next_sample_id, sid + 1)
@@ -147,6 +149,7 @@ class DataflowState:
                 buf.trainer_step = max(buf.trainer_step, ev["step"])
         for policy, pinfo in infos.items():
             buf = self.buffers[policy]
+            buf.counts["guided"] += guided[policy]
             for sid in sorted(pinfo):
                 info = pinfo[sid]
                 buf.samples[sid] = info
@@ -371,6 +374,7 @@ class DataflowState:
         rewards = batch.rows["reward"].astype(np.float64)
         policy_idx = batch.rows["policy"]
         lengths = batch.rows["length"]
+        guided = batch.rows["guided"]
         locs = self.store.append(batch)
         keep = cached_mb(self.buffers.values()) < self.cfg.dataflow.payload_cache_mb
         if not keep:
@@ -384,7 +388,7 @@ class DataflowState:
             for j, a in zip(members, adv):
                 buf.add(SampleInfo(int(sids[j]), tid, int(vmin[j]), float(a), mean, std, locs[j],
                                    (trajs, int(j)) if keep else None, tokens=int(lengths[j])),
-                        filtered, float(rewards[j]))
+                        filtered, float(rewards[j]), bool(guided[j]))
         self.tasks.complete(tid)
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
         return m.CommitReply("stored", sids.tolist(), self._latest())
@@ -413,7 +417,8 @@ class DataflowState:
                 "group_id": trajs.group_id,
                 "policy": np.array([self.policy_index[p] for p in trajs.policy], np.uint8),
                 "worker": np.full(n, req.worker_id.encode()[:64], dtype="S64"), "length": trajs.lengths,
-                "reward": trajs.reward, "gen_s": trajs.gen_s, "t_commit": np.full(n, time.time()),
+                "reward": trajs.reward, "guided": np.array([bool(x.get("guided")) for x in trajs.meta], np.uint8),
+                "gen_s": trajs.gen_s, "t_commit": np.full(n, time.time()),
                 "version_min": vmin, "version_max": vmax,
                 "version_at_commit": np.array([self.weights.latest(p)[0] for p in trajs.policy], np.int32)}
         # The versions the whole task ran with travel in each record's metadata.

@@ -73,7 +73,8 @@ def write_summary(run: RunDir, status: dict, started: float, t_components: float
         "wall_s": time.time() - started,
         "components_s": components_s,
         "trajectories": sum(c["stored"] for c in counts.values()),
-        "generated": sum(c["stored"] for c in counts.values()),
+        "generated": sum(c["stored"] - c["guided"] for c in counts.values()),
+        "guided": sum(c["guided"] for c in counts.values()),  # reference answers added, not sampled
         "trained": trained,
         "dropped": sum(c["dropped_stale"] + c["filtered"] + c["unused"] for c in counts.values()),
         "dropped_stale": sum(c["dropped_stale"] for c in counts.values()),

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
-from astraflow.store.schema import META_COLUMN, ROW_COLUMNS, SCHEMA_VERSION, TOKEN_COLUMNS
+from astraflow.store.schema import META_COLUMN, READABLE_VERSIONS, ROW_COLUMNS, TOKEN_COLUMNS
 from astraflow.store.writer import list_shards
 
 
@@ -67,8 +67,8 @@ class ShardReader:
             self.policy_names = tuple(p.decode() for p in self.file.attrs["policy_names"])
         except (OSError, KeyError, ValueError) as e:
             raise ShardCorrupt(self.path, f"cannot open: {e}") from None
-        if version != SCHEMA_VERSION:
-            raise ShardCorrupt(self.path, f"schema_version {version}, this code reads {SCHEMA_VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise ShardCorrupt(self.path, f"schema_version {version}, this code reads {list(READABLE_VERSIONS)}")
         self.n_rows = 0
         if file is None:  # a reader over the writer's own open file needs no refresh
             self.refresh()
@@ -93,14 +93,14 @@ class ShardReader:
     def rows(self, columns: tuple[str, ...] = tuple(ROW_COLUMNS)) -> dict[str, np.ndarray]:
         try:
             table = self.file["rows"][: self.n_rows]
-            return {c: table[c] for c in columns}
+            return {c: _column(table, c) for c in columns}
         except (OSError, ValueError, RuntimeError) as e:
             raise ShardCorrupt(self.path, f"row table unreadable: {e}") from None
 
     def trajectory(self, row: int) -> dict[str, Any]:
         """One stored row with its per-token arrays and decoded metadata."""
         rec = self.file["rows"][row]
-        r = {c: rec[c] for c in ROW_COLUMNS}
+        r = {c: _column(rec, c) for c in ROW_COLUMNS}
         lo, n = int(r["offset"]), int(r["length"])
         out: dict[str, Any] = {c: self.file[c][lo:lo + n] for c in TOKEN_COLUMNS}
         mlo, mn = int(r["meta_offset"]), int(r["meta_length"])
@@ -112,6 +112,13 @@ class ShardReader:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _column(table: np.ndarray | np.void, name: str) -> np.ndarray:
+    """A column of the row table; one an older schema lacks reads as zeros."""
+    if name in table.dtype.names:
+        return table[name]
+    return np.zeros(table.shape, ROW_COLUMNS[name])
 
 
 def iter_shards(run_dir: Path) -> Iterator[Path]:

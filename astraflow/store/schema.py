@@ -1,4 +1,4 @@
-"""HDF5 shard layout (schema_version 1).
+"""HDF5 shard layout (schema_version 2; version 1 shards, which lack `guided`, read as all 0).
 
 A shard is flat: per-token arrays of all its trajectories are concatenated, and a
 per-trajectory table `rows` (one compound dataset, a column per field of `ROW_COLUMNS`)
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 TOKEN_COLUMNS: dict[str, np.dtype] = {
     "tokens": np.dtype("<i4"),
@@ -36,6 +37,9 @@ ROW_COLUMNS: dict[str, np.dtype] = {
     "offset": np.dtype("<i8"),  # into the token datasets of this shard
     "length": np.dtype("<i4"),
     "reward": np.dtype("<f4"),
+    # 1: not sampled but a reference answer scored by the engine (`workflow.reference_guidance`):
+    # trained like any sample, never counted in a generated reward
+    "guided": np.dtype("u1"),
     "gen_s": np.dtype("<f4"),
     "t_commit": np.dtype("<f8"),  # dataflow rank's wall clock when stored
     "version_min": np.dtype("<i4"),  # over this policy's generated tokens

@@ -14,7 +14,8 @@ from tests.conftest import make_run
 VERSIONS = 10
 
 
-def rows_for(task_ids: list[int], versions: list[int], rewards: list[float], first_id: int) -> RowBatch:
+def rows_for(task_ids: list[int], versions: list[int], rewards: list[float], first_id: int,
+             guided: bool = False) -> RowBatch:
     n, tokens = len(task_ids), 3
     return RowBatch(
         tokens={"tokens": np.ones(n * tokens, np.int32), "logprobs": np.zeros(n * tokens, np.float32),
@@ -24,7 +25,8 @@ def rows_for(task_ids: list[int], versions: list[int], rewards: list[float], fir
               "task_id": np.array(task_ids, np.int64), "episode_id": np.arange(n, dtype=np.int64),
               "group_id": np.zeros(n, np.int64), "policy": np.zeros(n, np.uint8),
               "worker": np.full(n, b"w0", "S64"), "length": np.full(n, tokens, np.int32),
-              "reward": np.array(rewards, np.float32), "gen_s": np.zeros(n, np.float32),
+              "reward": np.array(rewards, np.float32), "guided": np.full(n, guided, np.uint8),
+              "gen_s": np.zeros(n, np.float32),
               "t_commit": np.ones(n), "version_min": np.array(versions, np.int32),
               "version_max": np.array(versions, np.int32), "version_at_commit": np.array(versions, np.int32)},
         meta=[json.dumps({}).encode()] * n)
@@ -49,6 +51,9 @@ def test_answers_split_the_reward_by_answer_and_find_lost_and_never_learned_ones
     for version in range(VERSIONS):
         store.append(rows_for(task_ids, [version] * len(task_ids),
                               [reward(a, version) for a in answers], version * len(task_ids)))
+    never_tasks = [t for t, a in zip(task_ids, answers) if a == never]
+    # reference answers for the never-learned answer's tasks: counted, never rewarded as samples
+    store.append(rows_for(never_tasks, [0] * len(never_tasks), [1.0] * len(never_tasks), 10_000, guided=True))
     store.close()
 
     report = answers_report(run.path, buckets=5, top=1000)
@@ -60,6 +65,7 @@ def test_answers_split_the_reward_by_answer_and_find_lost_and_never_learned_ones
     assert sum(r["samples"] for r in p["answers"]) == len(task_ids) * VERSIONS
     assert by_answer[lost]["reward"] == [1.0, 1.0, 0.5, 0.0, 0.0]
     assert by_answer[never]["reward"] == [0.0] * 5
+    assert by_answer[never]["guided"] == len(never_tasks) and by_answer[lost]["guided"] == 0
     other = next(a for a in by_answer if a not in (lost, never))
     assert by_answer[other]["reward"] == [0.0, 1.0, 1.0, 1.0, 1.0]
     numeric = [float(r["answer"]) for r in p["answers"]]

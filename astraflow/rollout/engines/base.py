@@ -7,6 +7,9 @@ an episode that spans a reload carries both versions in its per-token record.
 
 `logprobs[i]` is the log-probability of `tokens[i]` under the distribution the token was
 sampled from (softmax of logits / temperature) — the behaviour policy the trainer corrects for.
+A request with `forced` tokens is scored, not sampled: the completion is exactly those
+tokens, with the logprobs the same distribution gives them (a reference answer offered to
+the trainer as one more group member carries the probability the policy gave it).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ class SamplingParams:
     # Decode `max_tokens` tokens whatever is sampled, then cut the completion at its first
     # EOS: the cost of a long generation, the tokens of the unchanged distribution.
     ignore_eos: bool = False
+    forced: tuple[int, ...] = ()  # score these tokens instead of sampling (ends with EOS)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,10 @@ class HFEngine(BatchingEngine):
             mask[i, width - len(p):] = 1
         temperature = params[0].temperature
         greedy = temperature <= 0
-        limit = torch.tensor([p.max_tokens for p in params])
+        limit = torch.tensor([len(p.forced) or p.max_tokens for p in params])
+        forced = torch.full((len(prompts), int(limit.max())), -1, dtype=torch.long)
+        for i, p in enumerate(params):
+            forced[i, : len(p.forced)] = torch.tensor(p.forced, dtype=torch.long)
         stops = torch.tensor([not p.ignore_eos for p in params])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
@@ -55,7 +58,7 @@ class HFEngine(BatchingEngine):
         for step in range(int(limit.max())):
             logp = torch.log_softmax(out.logits[:, -1].float() / (1.0 if greedy else temperature), dim=-1)
             token = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]
-            token = token.masked_fill(done, pad)
+            token = torch.where(forced[:, step] >= 0, forced[:, step], token).masked_fill(done, pad)
             steps.append(token)
             logps.append(logp.gather(-1, token[:, None])[:, 0])
             done |= (stops & (token == eos)) | (limit <= step + 1)
@@ -69,7 +72,7 @@ class HFEngine(BatchingEngine):
         lp = torch.stack(logps, dim=1)
         results = []
         for i in range(len(prompts)):
-            row = new[i, : params[i].max_tokens].numpy()
+            row = new[i, : int(limit[i])].numpy()
             ends = np.flatnonzero(row == eos)
             n = int(ends[0]) + 1 if len(ends) else len(row)
             decoded = len(row) if params[i].ignore_eos else n

@@ -4,6 +4,9 @@ Token ids in, token ids out (`skip_tokenizer_init`): AstraFlow owns tokenization
 are vLLM's *processed* logprobs — after temperature, the distribution the token was
 actually sampled from (the default, raw logprobs, would be wrong for temperature != 1).
 New weights are loaded in place with `collective_rpc("reload_weights")` between batches.
+Forced tokens (a reference answer to score) go in as prompt tokens with prompt logprobs over
+the whole vocabulary: vLLM leaves prompt logprobs at temperature 1, so they are re-tempered
+here (log_softmax(logprobs / T) equals log_softmax(logits / T)).
 
 CPU defaults (each overridable by the environment): a 1 GiB KV cache, the engine core in this
 process (one fewer process on a small machine), no OpenMP thread pinning (pinning vLLM's
@@ -42,19 +45,24 @@ class VLLMEngine(BatchingEngine):
         self.codec = TextCodec(model_dir)
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                        seed=seed, max_model_len=MAX_POSITIONS, logprobs_mode="processed_logprobs",
-                       max_num_seqs=max_batch)
+                       max_num_seqs=max_batch, max_logprobs=-1)
 
     def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
 
         eos = self.codec.eos_id
-        sps = [VSampling(n=1, temperature=max(0.0, p.temperature), top_k=0, top_p=1.0, max_tokens=p.max_tokens,
-                         logprobs=0, stop_token_ids=[] if p.ignore_eos else [eos], ignore_eos=p.ignore_eos,
-                         detokenize=False) for p in params]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+        sps = [VSampling(n=1, temperature=max(0.0, p.temperature), top_k=0, top_p=1.0,
+                         max_tokens=1 if p.forced else p.max_tokens, logprobs=0,
+                         prompt_logprobs=-1 if p.forced else None, stop_token_ids=[] if p.ignore_eos else [eos],
+                         ignore_eos=p.ignore_eos, detokenize=False) for p in params]
+        inputs = [TokensPrompt(prompt_token_ids=[*prompt, *p.forced]) for prompt, p in zip(prompts, params)]
+        outs = self.llm.generate(inputs, sps, use_tqdm=False)
         results = []
-        for out in outs:
+        for out, prompt, p in zip(outs, prompts, params):
+            if p.forced:
+                results.append(self._scored(out.prompt_logprobs[len(prompt):], p))
+                continue
             o = out.outputs[0]
             decoded = np.asarray(o.token_ids, np.int32)
             ends = np.flatnonzero(decoded == eos)
@@ -62,6 +70,19 @@ class VLLMEngine(BatchingEngine):
             logprobs = np.array([step[t].logprob for step, t in zip(o.logprobs[:n], o.token_ids[:n])], np.float32)
             results.append(Completion(decoded[:n], logprobs, self.version, bool(len(ends)), len(decoded)))
         return results
+
+    def _scored(self, steps: list[dict], p: SamplingParams) -> Completion:
+        """The forced tokens with their logprobs at temperature p.temperature."""
+        t = p.temperature if p.temperature > 0 else 1.0
+        logprobs = []
+        for step, token in zip(steps, p.forced):
+            ids = np.fromiter(step.keys(), np.int64, len(step))
+            tempered = np.fromiter((v.logprob for v in step.values()), np.float64, len(step)) / t
+            tempered -= np.logaddexp.reduce(tempered)
+            logprobs.append(tempered[ids == token][0])
+        tokens = np.asarray(p.forced, np.int32)
+        return Completion(tokens, np.asarray(logprobs, np.float32), self.version, bool(tokens[-1] == self.codec.eos_id),
+                          len(tokens))
 
     def load_path(self, path: Path) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
