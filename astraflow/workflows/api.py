@@ -9,6 +9,10 @@ version -1) or one policy's completion. A record is the sequence as seen by one 
 its loss mask covers exactly the tokens that policy generated — another policy's tokens and
 tool output are never trained on.
 
+Free-form `meta` travels with a record into the shards; one key has a meaning to the system:
+`guided: true` marks a record that was not sampled (a reference answer whose tokens the
+engine scored): trained, but never counted as generated reward.
+
 An environment or tool that fails raises `EpisodeError`: the worker hands the task back to
 be leased again instead of crashing.
 """

@@ -93,7 +93,12 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
     answers = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "answers", str(run_dir), "--json"],
                              cwd=REPO, capture_output=True, text=True, check=True)
     by_answer = json.loads(answers.stdout)["policies"]["policy"]["answers"]
-    assert [r["answer"] for r in by_answer] == ["0", "1"] and sum(r["samples"] for r in by_answer) == len(df)
+    assert [r["answer"] for r in by_answer] == ["0", "1"]
+    # the quickstart's reference guidance: all-wrong groups got the reference, counted apart
+    guided = df[df["guided"] == 1]
+    assert summary["guided"] == len(guided) > 0 and summary["generated"] == len(df) - len(guided)
+    assert sum(r["samples"] for r in by_answer) == summary["generated"]
+    assert sum(r["guided"] for r in by_answer) == len(guided) and (guided["reward"] == 1).all()
     for path in iter_shards(run_dir):
         reader = ShardReader(path)
         for row in np.linspace(0, reader.n_rows - 1, 20).astype(int):
