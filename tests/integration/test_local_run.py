@@ -95,9 +95,10 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
     by_answer = json.loads(answers.stdout)["policies"]["policy"]["answers"]
     assert [r["answer"] for r in by_answer] == ["0", "1"]
     # the quickstart's reference guidance: all-wrong groups got the reference, counted apart
+    # (the summary's counts are the rank's when the trainer finished; the workers commit on)
     guided = df[df["guided"] == 1]
-    assert summary["guided"] == len(guided) > 0 and summary["generated"] == len(df) - len(guided)
-    assert sum(r["samples"] for r in by_answer) == summary["generated"]
+    assert 0 < summary["guided"] <= len(guided) and summary["generated"] <= len(df) - len(guided)
+    assert sum(r["samples"] for r in by_answer) == len(df) - len(guided)
     assert sum(r["guided"] for r in by_answer) == len(guided) and (guided["reward"] == 1).all()
     for path in iter_shards(run_dir):
         reader = ShardReader(path)
