@@ -123,7 +123,7 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('trainer.ref_kl')}: trainer.ref_kl: expected >= 0 (0: no KL term), got {t.ref_kl}")
     if cfg.workflow.reference_guidance and cfg.tasks.workflow != "rlvr":
         raise ConfigError(f"{where.at('workflow.reference_guidance')}: workflow.reference_guidance: only the rlvr "
-                          f"workflow adds reference answers; tasks.workflow is {cfg.tasks.workflow!r}")
+                          f"workflow adds reference answers; tasks.workflow is {cfg.tasks.workflow!r}: set it to false")
 
 
 def _check_roles(cfg: Config, where: _Where) -> None:

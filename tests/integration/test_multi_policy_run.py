@@ -101,7 +101,8 @@ def test_agent_run_survives_its_environment_server_dying(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [*SMALL, "warmup.steps=60", "tasks.workflow=multi_turn_tool", "policies.0.role=agent",
                  "trainer.steps=6", "trainer.batch_size=16", "tasks.group_size=4", "engine.max_tokens=8",
-                 "rollout.concurrency=4", "schedule.mode=sync", f"workflow.environment=http://127.0.0.1:{port}"]
+                 "rollout.concurrency=4", "schedule.mode=sync", f"workflow.environment=http://127.0.0.1:{port}",
+                 "workflow.reference_guidance=false"]
     launcher = astraflow_run("configs/quickstart.yaml", run_dir, overrides)
     try:
         deadline = time.monotonic() + 180

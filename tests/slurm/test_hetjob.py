@@ -32,8 +32,12 @@ def running(job: str) -> bool:
 
 
 def assert_each_task_stored_once(run_dir: Path) -> None:
-    per_task = load_rows(run_dir).groupby("task_id").size()
+    """GROUP sampled records per task, and at most one guided reference (an all-wrong group)."""
+    rows = load_rows(run_dir)
+    per_task = rows[rows["guided"] == 0].groupby("task_id").size()
     assert (per_task == GROUP).all(), per_task[per_task != GROUP]
+    guided = rows[rows["guided"] == 1].groupby("task_id").size()
+    assert (guided == 1).all() and set(guided.index) <= set(per_task.index), guided[guided != 1]
 
 
 def test_hetjob_runs_on_its_partitions_and_survives_a_killed_rollout_rank(tmp_path: Path, cancel_jobs):

@@ -51,7 +51,7 @@ def test_choices_are_listed():
     with pytest.raises(ConfigError, match=r"trainer.ref_kl: expected >= 0 \(0: no KL term\), got -0.1"):
         parse_config(BASE_CONFIG, overrides=["trainer.ref_kl=-0.1"])
     with pytest.raises(ConfigError, match=r"workflow.reference_guidance: only the rlvr workflow adds reference "
-                                          r"answers; tasks.workflow is 'multi_turn_tool'"):
+                                          r"answers; tasks.workflow is 'multi_turn_tool': set it to false"):
         parse_config(BASE_CONFIG, overrides=["workflow.reference_guidance=true", "tasks.workflow=multi_turn_tool",
                                                  "policies.0.role=agent"])
 
