@@ -122,8 +122,9 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
     if t.ref_kl < 0:
         raise ConfigError(f"{where.at('trainer.ref_kl')}: trainer.ref_kl: expected >= 0 (0: no KL term), got {t.ref_kl}")
     if cfg.workflow.reference_guidance and cfg.tasks.workflow != "rlvr":
-        raise ConfigError(f"{where.at('workflow.reference_guidance')}: workflow.reference_guidance: only the rlvr "
-                          f"workflow adds reference answers; tasks.workflow is {cfg.tasks.workflow!r}: set it to false")
+        raise ConfigError(f"{where.at('workflow.reference_guidance')}: workflow.reference_guidance: only the "
+                          f"rlvr workflow adds reference answers; tasks.workflow is {cfg.tasks.workflow!r}: "
+                          f"set it to false")
 
 
 def _check_roles(cfg: Config, where: _Where) -> None:
