@@ -60,6 +60,7 @@ class PolicyBuffer:
     trainer_version: int = 0
     reward_sum: float = 0.0  # of every sample added since `generated_reward()` was last read
     reward_count: int = 0
+    last_reward_mean: float = float("nan")  # NaN only until something is generated
     cached_tokens: int = 0  # tokens of the payloads held in memory
 
     def _release(self, info: SampleInfo, state: int) -> None:
@@ -164,9 +165,13 @@ class PolicyBuffer:
         return sorted(s for s in self.consumed if s > resume_step)
 
     def generated_reward(self) -> tuple[float, int]:
-        """Mean reward and count of everything generated since the last call (then reset)."""
-        mean = self.reward_sum / self.reward_count if self.reward_count else float("nan")
-        out = (mean, self.reward_count)
+        """Mean reward and count of everything generated since the last call (then reset).
+        With nothing generated since, the previous mean and a count of 0: a trainer step
+        served from the buffer's surplus still has a defined reward in the metrics (it was
+        NaN, which broke moving averages over the CSV)."""
+        if self.reward_count:
+            self.last_reward_mean = self.reward_sum / self.reward_count
+        out = (self.last_reward_mean, self.reward_count)
         self.reward_sum, self.reward_count = 0.0, 0
         return out
 

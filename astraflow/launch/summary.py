@@ -26,8 +26,8 @@ WINDOW = 5
 def policy_summary(rows: list[dict], t_start: float, target: float = TARGET) -> dict:
     if not rows:
         return {"steps": 0}
-    # reward of everything generated (filtered groups included), carried forward over steps
-    # that saw no new samples
+    # reward of everything generated (filtered groups included); the rank carries it over a
+    # step that saw no new samples, metrics written before it did have NaN there
     rewards = np.array([r["reward_mean"] for r in rows])
     for i in range(len(rewards)):
         if np.isnan(rewards[i]):

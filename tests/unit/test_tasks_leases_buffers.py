@@ -122,3 +122,15 @@ def test_group_advantages_with_and_without_the_std():
     _, _, plain = group_stats(rewards, scale=False)  # Dr. GRPO: the scale of the rewards stays
     assert plain.tolist() == [3.0, -1.0, -1.0, -1.0]
     assert group_stats(rewards * 10, scale=False)[2].tolist() == [30.0, -10.0, -10.0, -10.0]
+
+
+def test_generated_reward_is_since_the_last_read_and_carried_over_an_empty_interval():
+    buf = PolicyBuffer("p", max_staleness=1, capacity=100)
+    assert np.isnan(buf.generated_reward()[0])  # nothing generated yet
+    for i, reward in enumerate([1.0, 0.0, 1.0, 1.0]):
+        buf.add(SampleInfo(i, i, 0, 0.0, 0.0, 1.0, (0, i)), False, reward)
+    buf.add(SampleInfo(9, 0, 0, 0.0, 0.0, 1.0, (0, 9)), False, 1.0, guided=True)  # not generated
+    assert buf.generated_reward() == (0.75, 4)
+    assert buf.generated_reward() == (0.75, 0)  # a step served from the surplus: no NaN
+    buf.add(SampleInfo(10, 5, 0, 0.0, 0.0, 1.0, (0, 10)), False, 0.0)
+    assert buf.generated_reward() == (0.0, 1) and buf.counts["guided"] == 1
