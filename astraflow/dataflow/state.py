@@ -103,7 +103,6 @@ class DataflowState:
     def recover(self) -> None:
         infos: dict[str, dict[int, SampleInfo]] = {p: {} for p in self.policy_names}
         groups: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
-        guided: dict[str, int] = dict.fromkeys(self.policy_names, 0)
         done: set[int] = set()
         for idx, reader, rows in self.store.recover():
             names = reader.policy_names
@@ -111,7 +110,7 @@ class DataflowState:
                 sid, tid = int(rows["sample_id"][r]), int(rows["task_id"][r])
                 policy = names[int(rows["policy"][r])]
                 infos[policy][sid] = SampleInfo(sid, tid, int(rows["version_min"][r]), 0.0, 0.0, 0.0, (idx, r))
-                guided[policy] += int(rows["guided"][r])
+                self.buffers[policy].counts["guided"] += int(rows["guided"][r])
                 groups[(tid, self.policy_index[policy])].append((sid, float(rows["reward"][r])))
                 done.add(tid)
                 self.next_sample_id = max(self.next_sample_id, sid + 1)
@@ -149,7 +148,6 @@ class DataflowState:
                 buf.trainer_step = max(buf.trainer_step, ev["step"])
         for policy, pinfo in infos.items():
             buf = self.buffers[policy]
-            buf.counts["guided"] += guided[policy]
             for sid in sorted(pinfo):
                 info = pinfo[sid]
                 buf.samples[sid] = info

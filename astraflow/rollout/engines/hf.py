@@ -49,7 +49,8 @@ class HFEngine(BatchingEngine):
         limit = torch.tensor([len(p.forced) or p.max_tokens for p in params])
         forced = torch.full((len(prompts), int(limit.max())), -1, dtype=torch.long)
         for i, p in enumerate(params):
-            forced[i, : len(p.forced)] = torch.tensor(p.forced, dtype=torch.long)
+            if p.forced:  # rare (a reference answer): the common batch pays no per-request copy
+                forced[i, : len(p.forced)] = torch.tensor(p.forced, dtype=torch.long)
         stops = torch.tensor([not p.ignore_eos for p in params])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
