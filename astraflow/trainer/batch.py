@@ -51,8 +51,12 @@ def log_policy(model: torch.nn.Module, batch: TrainBatch, temperature: float) ->
     """log pi(. | prefix) for every position, (B, L-1, V), of the policy the engines sample
     from: softmax(logits / temperature). Scoring at temperature 1 instead would make the
     on-policy ratio pi_prox / mu differ from 1 on every token (below 1 on likely tokens, above
-    on unlikely ones), so the importance weights would reshape the gradient even with no lag."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    on unlikely ones), so the importance weights would reshape the gradient even with no lag.
+
+    No attention mask: rows are right-padded, so causal attention alone keeps every real
+    position from seeing a pad (pads only follow it) and the model builds no padding mask;
+    the outputs at pads are never read (their targets are masked). No KV cache either."""
+    logits = model(input_ids=batch.input_ids, use_cache=False).logits[:, :-1].float()
     return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
 
 

@@ -44,6 +44,25 @@ def test_entropy_is_that_of_the_sampled_distribution(model_dir):
     torch.testing.assert_close(flat, torch.full_like(flat, np.log(vocab)), atol=1e-4, rtol=0)
 
 
+def test_right_padded_rows_score_as_if_alone(model_dir):
+    """The trainer scores right-padded rows without an attention mask (causal attention keeps
+    every real position from seeing the pads that follow it): each row's logprobs equal
+    those of the row scored alone, whatever the pad id and the other rows' lengths."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    codec = TextCodec(model_dir)
+    rows = [codec.encode_prompt(text) for text in ("1+2=3", "12+7=19", "7=")]
+    width = max(map(len, rows))
+    seq = torch.full((len(rows), width), codec.eos_id)  # any id: the pads must not matter
+    for i, row in enumerate(rows):
+        seq[i, : len(row)] = torch.tensor(row)
+    padded = TrainBatch(seq, (seq != -1).long(), seq[:, 1:], *[None] * 5)
+    with torch.no_grad():
+        together = token_logprobs(model, padded, 0.7)
+    for i, row in enumerate(rows):
+        alone = teacher_forced(model, row[:1], np.array(row[1:]), 0.7)
+        torch.testing.assert_close(together[i, : len(row) - 1], torch.from_numpy(alone), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_make_model_writes_an_untied_hf_model_and_tokenizer(tmp_path, arch):
     out = make_model(arch, "tiny", tmp_path / arch, corpus=["a b"])
