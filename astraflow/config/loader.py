@@ -103,6 +103,9 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         if p.name in seen:
             raise ConfigError(f"{where.at(f'policies.{i}')}: policies.{i}.name: duplicate policy {p.name!r}")
         seen.add(p.name)
+        if p.ref_kl is not None and p.ref_kl < 0:
+            raise ConfigError(f"{where.at(f'policies.{i}.ref_kl')}: policies.{i}.ref_kl: expected >= 0 "
+                              f"(0: no KL term), got {p.ref_kl}")
     if len(cfg.policies) > 127:
         raise ConfigError(f"{where.at('policies')}: policies: at most 127 policies")
     _check_roles(cfg, where)
@@ -125,6 +128,10 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('workflow.reference_guidance')}: workflow.reference_guidance: only the "
                           f"rlvr workflow adds reference answers; tasks.workflow is {cfg.tasks.workflow!r}: "
                           f"set it to false")
+    if cfg.workflow.verifier_contrast and cfg.tasks.workflow != "solver_verifier":
+        raise ConfigError(f"{where.at('workflow.verifier_contrast')}: workflow.verifier_contrast: only the "
+                          f"solver_verifier workflow has a verifier that judges answers it is shown; "
+                          f"tasks.workflow is {cfg.tasks.workflow!r}: set it to false")
 
 
 def _check_roles(cfg: Config, where: _Where) -> None:

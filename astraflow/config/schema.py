@@ -117,6 +117,7 @@ class PolicyConfig:
     batch_size: int | None = None
     steps: int | None = None
     minibatches: int | None = None
+    ref_kl: float | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,10 @@ class WorkflowConfig:
     # still teaches it something instead of being filtered (off-policy guidance, as in LUFFY,
     # arXiv 2504.14945). Its reward is never counted as a generated reward.
     reference_guidance: bool = False
+    # solver_verifier: a group whose answers are all wrong (all right) also has the verifier
+    # judge the reference answer (a drawn wrong answer), so that its verdicts cannot be read
+    # off the question; those judgments are trained, never counted in its reward
+    verifier_contrast: bool = False
     max_turns: int = 3  # multi_turn_tool: agent turns per episode
     # multi_turn_tool: "builtin" (an environment server each worker starts on loopback) or
     # the http:// URL of an environment server
@@ -277,7 +282,7 @@ class Config:
     def trainer_for(self, name: str) -> TrainerConfig:
         """The trainer settings of one policy: its own where set, the `trainer` section's otherwise."""
         p = self.policy(name)
-        own = {k: getattr(p, k) for k in ("lr", "batch_size", "steps", "minibatches") if getattr(p, k) is not None}
+        own = {k: getattr(p, k) for k in ("lr", "batch_size", "steps", "minibatches", "ref_kl") if getattr(p, k) is not None}
         return replace(self.trainer, **own)
 
     def worker_policies(self, index: int) -> tuple[str, ...]:

@@ -6,7 +6,14 @@
   a wrong one), weighted by the class of the answer so that its mean reward is its balanced
   accuracy (`balance`): always-reject and always-accept score 0.5 (`meta.truth`,
   `meta.accept` per record). With `workflow.retry` the solver answers once more after a
-  rejection (both attempts are records of its group).
+  rejection (both attempts are records of its group). With `workflow.verifier_contrast`
+  every group shows the verifier both classes: when none of the solver's answers was right
+  it also judges the reference answer, when none was wrong a drawn wrong one
+  (`wrong_answer`). Without that, the verdict could be read off the question (a solver
+  that never gets a sum right makes "reject every answer to that sum" score).
+  Those judgments are sampled, but of answers the solver did not give: `guided` records,
+  trained on and not counted in the verifier's reward, which stays its balanced accuracy
+  on the solver's answers.
 - `solve_and_check`: the same exchange as one concatenated sequence with a per-token policy
   mask: both policies' records are the whole sequence; each trains only its own tokens.
 
@@ -78,7 +85,24 @@ async def _exchange(task: Task, ctx: EpisodeContext, concatenated: bool) -> list
             records += more
         return records
 
+    async def contrast(candidate: str, truth: bool) -> Trajectory:
+        """The verifier's judgment of an answer the solver did not give."""
+        t0 = time.perf_counter()
+        seq = Sequence(judge_context(ctx.codec, question, ctx.codec.encode_completion(candidate)))
+        judged = await ctx.engines[verifier].generate(seq.ids, ctx.sampling())
+        seq.add_completion(vi, judged)
+        accept = accepted(ctx.codec.decode(judged.tokens))
+        meta = {"completion": candidate, "attempt": -1, "truth": truth, "accept": accept, "guided": True}
+        return seq.record(verifier, vi, float(accept == truth), task.task_id, ctx.episode_id(),
+                          time.perf_counter() - t0, meta)
+
     records = [r for g in await asyncio.gather(*(one() for _ in range(task.group_size))) for r in g]
+    if ctx.workflow.verifier_contrast and not concatenated:  # the loader allows it for solver_verifier only
+        truths = [r.meta["truth"] for r in records if r.policy == verifier]
+        if not any(truths):
+            records.append(await contrast(task.answer, True))
+        if all(truths):
+            records.append(await contrast(wrong_answer(Item(task.prompt, task.answer), ctx.rng), False))
     return balance(records, verifier, ctx.state.setdefault("verifier_class_prior", ClassPrior()))
 
 
@@ -110,8 +134,8 @@ def balance(records: list[Trajectory], verifier: str, prior: ClassPrior) -> list
     instead, a group of only wrong answers was plain accuracy, and the reported reward rose
     with rejecting everything.) Within a group, GRPO's normalisation removes the scale, so a
     group of one class learns as if unweighted; a mixed group's minority answers count more."""
-    judged = [r for r in records if r.policy == verifier]
-    p = prior.observe([r.meta["truth"] for r in judged])
+    judged = [r for r in records if r.policy == verifier and not r.meta.get("guided")]
+    p = prior.observe([r.meta["truth"] for r in judged])  # the solver's answers only
     weight = {True: 1 / (2 * p), False: 1 / (2 * (1 - p))}
     return [replace(r, reward=r.reward * weight[r.meta["truth"]]) if r.policy == verifier else r for r in records]
 

@@ -64,6 +64,9 @@ def test_solver_and_verifier_train_independently_on_their_own_tokens(tmp_path):
 
     df = load_rows(run_dir)
     assert set(df["worker"].str.split(".").str[0]) == {"local-0"}  # local-1 hosts the solver only
+    contrast = df[df["guided"] == 1]  # the config's verifier_contrast: verdicts on answers the solver did not give
+    assert len(contrast) and (contrast["policy"] == "verifier").all()
+    assert contrast.groupby("task_id").size().max() <= 2  # at most one right and one wrong per group
     consumed = consumed_by_policy(run_dir)
     for policy in ("solver", "verifier"):
         ids = [s for step in consumed[policy].values() for s in step]

@@ -82,6 +82,31 @@ def test_retry_after_rejection_adds_a_second_attempt(engine):
         assert all(not r.meta["accept"] for r in mine[:-1])  # only a rejection brings another attempt
 
 
+@pytest.mark.parametrize("solver_right", [False, True])
+def test_verifier_contrast_shows_the_verifier_the_class_a_group_lacks(engine, solver_right):
+    """With `verifier_contrast`, a group of only wrong answers has the verifier also judge the
+    reference answer, and a group of only right ones a drawn wrong answer (the reward scores
+    every answer one way here): one more verifier record, `guided`, whose context holds that
+    answer and whose trained tokens are the verdict alone."""
+    ctx = context(engine, {"solver": engine, "verifier": engine}, {"solver": "solver", "verifier": "verifier"},
+                  verifier_contrast=True)
+    ctx.reward = lambda text, answer: float(solver_right)
+    records = asyncio.run(solver_verifier(TASK, ctx))
+    solver = [r for r in records if r.policy == "solver"]
+    verifier = [r for r in records if r.policy == "verifier"]
+    assert len(solver) == TASK.group_size and all(r.meta["truth"] == solver_right for r in verifier[:-1])
+    extra = verifier[-1]
+    assert len(verifier) == TASK.group_size + 1 and extra.meta["guided"] and extra.meta["truth"] != solver_right
+    assert (extra.meta["completion"] == "9") == (not solver_right)
+    shown = engine.codec.encode_completion(extra.meta["completion"])
+    verdict = extra.tokens[extra.loss_mask == 1]
+    assert trained_owner(extra) == {1} and extra.tokens[-len(verdict):].tolist() == verdict.tolist()
+    assert extra.tokens[: -len(verdict)].tolist() == [*engine.codec.encode_prompt(TASK.prompt), *shown,
+                                                      *engine.codec.encode_text("?")]
+    assert extra.reward >= 0 and (extra.reward > 0) == (extra.meta["accept"] == extra.meta["truth"])
+    assert not any(r.meta.get("guided") for r in records[:-1])
+
+
 def test_verifier_reward_mean_is_its_balanced_accuracy():
     def judged(truth: bool, accept: bool) -> Trajectory:
         z = np.zeros(2, np.int32)

@@ -50,10 +50,15 @@ def test_choices_are_listed():
         parse_config(BASE_CONFIG, overrides=["trainer.lr_min_ratio=2.0"])
     with pytest.raises(ConfigError, match=r"trainer.ref_kl: expected >= 0 \(0: no KL term\), got -0.1"):
         parse_config(BASE_CONFIG, overrides=["trainer.ref_kl=-0.1"])
+    with pytest.raises(ConfigError, match=r"policies.0.ref_kl: expected >= 0 \(0: no KL term\), got -1.0"):
+        parse_config(BASE_CONFIG, overrides=["policies.0.ref_kl=-1"])
     with pytest.raises(ConfigError, match=r"workflow.reference_guidance: only the rlvr workflow adds reference "
                                           r"answers; tasks.workflow is 'multi_turn_tool': set it to false"):
         parse_config(BASE_CONFIG, overrides=["workflow.reference_guidance=true", "tasks.workflow=multi_turn_tool",
                                                  "policies.0.role=agent"])
+    with pytest.raises(ConfigError, match=r"workflow.verifier_contrast: only the solver_verifier workflow has "
+                                          r"a verifier .*tasks.workflow is 'rlvr': set it to false"):
+        parse_config(BASE_CONFIG, overrides=["workflow.verifier_contrast=true"])
 
 
 def test_duplicate_policy_rejected():

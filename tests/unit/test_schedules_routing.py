@@ -17,7 +17,7 @@ tasks: {kind: arithmetic, seed: 0, heldout: 200, group_size: 4, workflow: solver
 trainer: {steps: 5, batch_size: 8}
 policies:
   - {name: solver, role: solver, max_staleness: 2}
-  - {name: verifier, role: verifier, max_staleness: 2, batch_size: 4, lr: 0.01}
+  - {name: verifier, role: verifier, max_staleness: 2, batch_size: 4, lr: 0.01, ref_kl: 0.2}
 """
 
 
@@ -67,6 +67,7 @@ def test_config_gives_each_policy_its_own_trainer_settings(make_state):
     cfg = make_state().cfg
     assert (cfg.trainer_for("solver").batch_size, cfg.trainer_for("solver").lr) == (8, 1e-3)
     assert (cfg.trainer_for("verifier").batch_size, cfg.trainer_for("verifier").lr) == (4, 0.01)
+    assert (cfg.trainer_for("solver").ref_kl, cfg.trainer_for("verifier").ref_kl) == (0.0, 0.2)
     assert cfg.task_policies == ("solver", "verifier")
 
 
