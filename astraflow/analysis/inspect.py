@@ -67,7 +67,7 @@ def inspect_run(run_dir: str | Path, live: bool = True) -> dict[str, Any]:
     for policy, g in df.groupby("policy"):
         lag = (g["version_at_commit"] - g["version_min"]).clip(lower=0)
         bucket = np.clip(np.digitize(g["t_commit"], edges) - 1, 0, TIMELINE_BUCKETS - 1)
-        sampled = g["guided"] == 0  # rewards are of what the policy generated, not of references
+        sampled = g["guided"] == 0  # rewards are of what the policy generated, not of guided records
         timeline = []
         for b in range(TIMELINE_BUCKETS):
             sel = g[(bucket == b) & sampled]
@@ -100,7 +100,7 @@ def format_report(r: dict[str, Any]) -> str:
         if r[name]:
             lines.append(f"  {name}: {', '.join(r[name])}")
     for policy, p in r["policies"].items():
-        guided = f" ({p['guided']} guided references)" if p["guided"] else ""
+        guided = f" ({p['guided']} guided)" if p["guided"] else ""
         lines.append(f"policy {policy}: {p['trajectories']} trajectories{guided}, {p['tokens']} tokens, "
                      f"reward {p['reward_mean']:.3f} ± {p['reward_std']:.3f}, consumed {p['consumed']} "
                      f"(trainer step {p['trainer_step']})")

@@ -69,8 +69,9 @@ class PolicyBuffer:
         info.state, info.payload = state, None
 
     def add(self, info: SampleInfo, filtered: bool, reward: float, guided: bool = False) -> None:
-        """Store a sample. A guided one (a reference answer, not sampled) is trained like any
-        other but counted apart, and never in the generated reward."""
+        """Store a sample. A guided one (a reference answer, or a verdict on an answer the
+        solver did not give) is trained like any other but counted apart, and never in the
+        generated reward."""
         self.samples[info.sample_id] = info
         self.counts["stored"] += 1
         if guided:

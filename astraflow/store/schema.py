@@ -37,8 +37,9 @@ ROW_COLUMNS: dict[str, np.dtype] = {
     "offset": np.dtype("<i8"),  # into the token datasets of this shard
     "length": np.dtype("<i4"),
     "reward": np.dtype("<f4"),
-    # 1: not sampled but a reference answer scored by the engine (`workflow.reference_guidance`):
-    # trained like any sample, never counted in a generated reward
+    # 1: an answer the policy did not sample — a reference answer scored by the engine
+    # (`workflow.reference_guidance`), or a verdict on an answer the solver did not give
+    # (`workflow.verifier_contrast`): trained like any sample, never counted in a generated reward
     "guided": np.dtype("u1"),
     "gen_s": np.dtype("<f4"),
     "t_commit": np.dtype("<f8"),  # dataflow rank's wall clock when stored

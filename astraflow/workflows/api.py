@@ -10,8 +10,9 @@ its loss mask covers exactly the tokens that policy generated — another policy
 tool output are never trained on.
 
 Free-form `meta` travels with a record into the shards; one key has a meaning to the system:
-`guided: true` marks a record that was not sampled (a reference answer whose tokens the
-engine scored): trained, but never counted as generated reward.
+`guided: true` marks a record that is not the policy's own sampling of the episode (a
+reference answer whose tokens the engine scored; a verifier's verdict on an answer the
+solver did not give): trained, but never counted as generated reward.
 
 An environment or tool that fails raises `EpisodeError`: the worker hands the task back to
 be leased again instead of crashing.
