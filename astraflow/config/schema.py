@@ -282,7 +282,8 @@ class Config:
     def trainer_for(self, name: str) -> TrainerConfig:
         """The trainer settings of one policy: its own where set, the `trainer` section's otherwise."""
         p = self.policy(name)
-        own = {k: getattr(p, k) for k in ("lr", "batch_size", "steps", "minibatches", "ref_kl") if getattr(p, k) is not None}
+        own = {k: getattr(p, k) for k in ("lr", "batch_size", "steps", "minibatches", "ref_kl")
+               if getattr(p, k) is not None}
         return replace(self.trainer, **own)
 
     def worker_policies(self, index: int) -> tuple[str, ...]:
