@@ -31,6 +31,7 @@ import numpy as np
 
 from astraflow.models.tokenizer import TextCodec
 from astraflow.protocol.messages import Task, Trajectory
+from astraflow.rollout.engines.base import Completion
 from astraflow.tasks.sources import Item
 from astraflow.workflows.api import EpisodeContext, Sequence
 
@@ -50,6 +51,14 @@ async def _exchange(task: Task, ctx: EpisodeContext, concatenated: bool) -> list
     si, vi = ctx.policy_index[solver], ctx.policy_index[verifier]
     question = ctx.codec.encode_prompt(task.prompt)
 
+    async def judge(answer_ids: list[int]) -> tuple[Sequence, Completion, bool]:
+        """The verifier's judgment of an answer: its own sequence (question, answer, "?",
+        verdict), the verdict, and whether it accepted."""
+        seq = Sequence(judge_context(ctx.codec, question, answer_ids))
+        judged = await ctx.engines[verifier].generate(seq.ids, ctx.sampling())
+        seq.add_completion(vi, judged)
+        return seq, judged, accepted(ctx.codec.decode(judged.tokens))
+
     async def attempt(episode: int, n: int) -> tuple[list[Trajectory], bool]:
         t0 = time.perf_counter()
         answer = await ctx.engines[solver].generate(question, ctx.sampling())
@@ -57,22 +66,15 @@ async def _exchange(task: Task, ctx: EpisodeContext, concatenated: bool) -> list
         correct = ctx.reward(text, task.answer) > 0.5
         if ctx.workflow.env_check:
             await ctx.environment.check(task, text)
-        judged = await ctx.engines[verifier].generate(judge_context(ctx.codec, question, answer.tokens.tolist()),
-                                                      ctx.sampling())
-        accept = accepted(ctx.codec.decode(judged.tokens))
+        verifier_seq, judged, accept = await judge(answer.tokens.tolist())
         gen_s = time.perf_counter() - t0
         meta = {"completion": text, "attempt": n, "truth": correct, "accept": accept}
-        full = Sequence(question)
-        full.add_completion(si, answer)
-        full.add_context(ctx.codec.encode_text(ASK))
-        full.add_completion(vi, judged)
-        if concatenated:
-            solver_seq = verifier_seq = full
-        else:
-            solver_seq = Sequence(question)
-            solver_seq.add_completion(si, answer)
-            verifier_seq = Sequence(judge_context(ctx.codec, question, answer.tokens.tolist()))
-            verifier_seq.add_completion(vi, judged)
+        solver_seq = Sequence(question)
+        solver_seq.add_completion(si, answer)
+        if concatenated:  # one sequence, the verifier's verdict after the answer: both records
+            solver_seq.add_context(ctx.codec.encode_text(ASK))
+            solver_seq.add_completion(vi, judged)
+            verifier_seq = solver_seq
         records = [solver_seq.record(solver, si, float(correct), task.task_id, episode, gen_s, meta),
                    verifier_seq.record(verifier, vi, float(accept == correct), task.task_id, episode, gen_s, meta)]
         return records, accept
@@ -88,10 +90,7 @@ async def _exchange(task: Task, ctx: EpisodeContext, concatenated: bool) -> list
     async def contrast(candidate: str, truth: bool) -> Trajectory:
         """The verifier's judgment of an answer the solver did not give."""
         t0 = time.perf_counter()
-        seq = Sequence(judge_context(ctx.codec, question, ctx.codec.encode_completion(candidate)))
-        judged = await ctx.engines[verifier].generate(seq.ids, ctx.sampling())
-        seq.add_completion(vi, judged)
-        accept = accepted(ctx.codec.decode(judged.tokens))
+        seq, _, accept = await judge(ctx.codec.encode_completion(candidate))
         meta = {"completion": candidate, "attempt": -1, "truth": truth, "accept": accept, "guided": True}
         return seq.record(verifier, vi, float(accept == truth), task.task_id, ctx.episode_id(),
                           time.perf_counter() - t0, meta)
