@@ -4,7 +4,9 @@ Order: prepare the model (build it from config and warm it up, once per run dire
 child process — the launcher itself never imports torch), start the dataflow rank, then one
 trainer per policy (`trainer.world` ranks each) and `rollout.workers` rollout workers. The
 run ends when every trainer has finished its steps; then workers and the dataflow rank are
-stopped, the last published weights are evaluated greedily on the held-out prompts, and
+stopped, the last published weights are evaluated greedily on the held-out prompts (the
+evaluation starts with the components: its engine start-up and the score of the starting
+weights overlap the run), and
 `RUN_DIR/summary.json` is written. `astraflow run --run-dir EXISTING` resumes a run: every
 component picks up from the run directory (shards, journal, checkpoints).
 """
@@ -12,13 +14,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 from astraflow.config.rundir import RunDir
 from astraflow.launch import components
 from astraflow.launch.progress import Progress
-from astraflow.launch.summary import start_eval, write_summary
+from astraflow.launch.summary import start_eval, training_done, write_summary
 from astraflow.launch.supervisor import ComponentFailed, Supervisor
 from astraflow.protocol.client import wait_rendezvous
 
@@ -27,6 +30,12 @@ POLL_S = 0.5
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _cancel(evaluation: subprocess.Popen | None) -> None:
+    if evaluation is not None:
+        evaluation.kill()
+        evaluation.wait()
 
 
 def run_local(config: str | None, run_dir: str | None, overrides: list[str], quiet: bool = False) -> dict:
@@ -50,6 +59,7 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     t_components = time.time()
     workers: list[str] = []
     ident = ""
+    evaluation = None
     try:
         sup.add(components.dataflow(run, local=True))
         wait_rendezvous(run.path, timeout_s=60, newer_than=t_components)
@@ -58,6 +68,8 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
         workers = [sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}", cfg.worker_policies(i))).name
                    for i in range(cfg.rollout.workers)]
         ident = components.invite_standby(run)
+        # it starts its engines and scores the starting weights while the run goes on
+        evaluation = start_eval(run, alongside=True)
         progress = Progress(run, quiet)
         remaining = set(trainers)
         while remaining:
@@ -67,16 +79,18 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
         progress.close()
         status = components.dataflow_status(run)
     except ComponentFailed as e:
+        _cancel(evaluation)
         components.dismiss_standby(run, ident)
         sup.stop()
         raise SystemExit(f"astraflow run: {e}") from None
     except KeyboardInterrupt:
+        _cancel(evaluation)
         components.dismiss_standby(run, ident)
         sup.stop(workers)
         components.wait_workers_left(run)
         sup.stop()
         raise SystemExit(f"astraflow run: interrupted; resume with `astraflow run --run-dir {run.path}`") from None
-    evaluation = start_eval(run)  # it reads only the published weights: it runs while the rest stops
+    training_done(evaluation)  # it reads only the published weights: it runs while the rest stops
     # workers first, so that they hand their leases back to a rank still listening
     components.dismiss_standby(run, ident)
     sup.stop(workers)

@@ -46,12 +46,19 @@ def policy_summary(rows: list[dict], t_start: float, target: float = TARGET) -> 
             "trained": int(samples[-1])}
 
 
-def start_eval(run: RunDir) -> subprocess.Popen:
-    """`astraflow eval` as a child process. It needs only the published weights, so it can run
-    while the components are still being stopped."""
+def start_eval(run: RunDir, alongside: bool = False) -> subprocess.Popen:
+    """`astraflow eval` as a child process; it needs only the published weights. `alongside`:
+    started with the components, it scores the starting weights at once and the last ones when
+    its stdin is closed (`training_done`), so its engine start-up overlaps the run."""
+    args = [sys.executable, "-m", "astraflow.cli.main", "eval", "--run-dir", str(run.path)]
     with open(run.path / "logs" / "eval.log", "a") as log:
-        return subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "eval", "--run-dir", str(run.path)],
-                                stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(args + ["--after-stdin"] * alongside, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.PIPE if alongside else subprocess.DEVNULL)
+
+
+def training_done(evaluation: subprocess.Popen) -> None:
+    """Let an evaluation started `alongside` go on to the last published weights."""
+    evaluation.stdin.close()
 
 
 def write_summary(run: RunDir, status: dict, started: float, t_components: float, t_stopped: float,

@@ -6,6 +6,11 @@ each paired with the right answer and with a wrong one (so always-accept and alw
 both score 0.5). An agent (multi_turn_tool) needs its environment and tools and is not
 evaluated here; its training reward is in the metrics.
 
+One engine per policy scores both: the starting weights first, then the last published
+version loaded into it. The local launcher starts the evaluation with the components and
+lets it go on to the last weights when training ends (`--after-stdin`), so the engine's
+start-up and the base score overlap the run instead of following it.
+
 `eval.json`: `eval[policy] = {metric, base, last, version}`, and for the first policy the
 flat keys `eval_accuracy_base`, `eval_accuracy`, `eval_version` that summaries and plots read.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -51,35 +57,32 @@ async def _balanced_accuracy(engine: Engine, items: list[Item], cfg: Config) -> 
     return float(((accept & truths).sum() / truths.sum() + (~accept & ~truths).sum() / (~truths).sum()) / 2)
 
 
-def evaluate(model_dir: Path, weights_dir: Path | None, cfg: Config, metric: str = "accuracy") -> float:
-    engine = ENGINES[cfg.engine.kind](str(model_dir), max_batch=cfg.engine.max_batch,
-                                       threads=cfg.engine.threads, seed=cfg.run.seed)
+def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) -> dict:
+    """Score each policy's starting weights, wait for `training_done()` to return, then load
+    the last published version into the same engine and score it."""
+    cfg = run.config
     items = TaskSource(cfg.tasks).heldout
-    score = _accuracy if metric == "accuracy" else _balanced_accuracy
+    metrics = {p.name: METRICS[p.role] for p in cfg.policies if p.role in METRICS}
+    engines = {name: ENGINES[cfg.engine.kind](str(policy_model_dir(run.path, cfg, name)), max_batch=cfg.engine.max_batch,
+                                              threads=cfg.engine.threads, seed=cfg.run.seed) for name in metrics}
 
-    async def run() -> float:
+    async def score(name: str, weights_dir: Path | None = None) -> float:
         if weights_dir is not None:
-            await engine.load_weights(weights_dir, version=-1)
-        return await score(engine, items, cfg)
+            await engines[name].load_weights(weights_dir, version=-1)
+        return await (_accuracy if metrics[name] == "accuracy" else _balanced_accuracy)(engines[name], items, cfg)
 
+    out: dict = {"eval": {}}
     try:
-        return asyncio.run(run())
+        for name, metric in metrics.items():
+            out["eval"][name] = {"metric": metric, "base": asyncio.run(score(name))}
+        training_done()
+        for name in metrics:
+            versions = sorted((run.path / "weights" / name).glob("v*"), key=lambda p: int(p.name[1:]))
+            if versions:
+                out["eval"][name].update(last=asyncio.run(score(name, versions[-1])), version=int(versions[-1].name[1:]))
     finally:
-        engine.close()
-
-
-def evaluate_run(run: RunDir) -> dict:
-    cfg, out = run.config, {"eval": {}}
-    for policy in cfg.policies:
-        metric = METRICS.get(policy.role)
-        if metric is None:
-            continue
-        model_dir = policy_model_dir(run.path, cfg, policy.name)
-        result = {"metric": metric, "base": evaluate(model_dir, None, cfg, metric)}
-        versions = sorted((run.path / "weights" / policy.name).glob("v*"), key=lambda p: int(p.name[1:]))
-        if versions:
-            result.update(last=evaluate(model_dir, versions[-1], cfg, metric), version=int(versions[-1].name[1:]))
-        out["eval"][policy.name] = result
+        for engine in engines.values():
+            engine.close()
     first = out["eval"].get(cfg.policies[0].name)
     if first:
         out["eval_accuracy_base"] = first["base"]

@@ -48,7 +48,12 @@ def publish(state_dict: dict, base_model_dir: Path, weights_root: Path, policy: 
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    tensors, seen = {}, set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.data_ptr() not in seen:  # a tied weight (lm_head = embed_tokens) is saved once, as HF does
+            seen.add(tensor.data_ptr())
+            tensors[name] = tensor
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
     (tmp / CHECKSUM).write_text(json.dumps({WEIGHTS: sha256(tmp / WEIGHTS)}))
     for name in COPIED:
