@@ -107,8 +107,8 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _exit_now(code: int) -> NoReturn:
     """Leave without the interpreter's teardown, which takes about 4 s in a process that hosted
-    a vLLM engine on CPU (measured: engine closed, then exit); a worker that has left the pool
-    or a finished evaluation has nothing left to write but its buffered output."""
+    a vLLM engine on CPU (measured: engine closed, then exit); a worker (standby or not) that
+    has left its pool or a finished evaluation has nothing left to write but its buffered output."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -121,10 +121,10 @@ def _rollout(args: argparse.Namespace) -> int:
         from astraflow.slurm.env import rollout_worker_id
 
         run_standby(args.standby, args.policies, args.worker_id or rollout_worker_id())
-        return 0
-    from astraflow.rollout.worker import run_worker
+    else:
+        from astraflow.rollout.worker import run_worker
 
-    run_worker(args.run_dir, args.policies, args.worker_id)
+        run_worker(args.run_dir, args.policies, args.worker_id)
     _exit_now(0)
 
 

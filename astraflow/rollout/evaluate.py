@@ -57,19 +57,23 @@ async def _balanced_accuracy(engine: Engine, items: list[Item], cfg: Config) -> 
     return float(((accept & truths).sum() / truths.sum() + (~accept & ~truths).sum() / (~truths).sum()) / 2)
 
 
+SCORERS = {"accuracy": _accuracy, "balanced_accuracy": _balanced_accuracy}
+
+
 def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) -> dict:
     """Score each policy's starting weights, wait for `training_done()` to return, then load
     the last published version into the same engine and score it."""
     cfg = run.config
     items = TaskSource(cfg.tasks).heldout
     metrics = {p.name: METRICS[p.role] for p in cfg.policies if p.role in METRICS}
-    engines = {name: ENGINES[cfg.engine.kind](str(policy_model_dir(run.path, cfg, name)), max_batch=cfg.engine.max_batch,
-                                              threads=cfg.engine.threads, seed=cfg.run.seed) for name in metrics}
+    engines = {name: ENGINES[cfg.engine.kind](str(policy_model_dir(run.path, cfg, name)),
+                                              max_batch=cfg.engine.max_batch, threads=cfg.engine.threads,
+                                              seed=cfg.run.seed) for name in metrics}
 
     async def score(name: str, weights_dir: Path | None = None) -> float:
         if weights_dir is not None:
             await engines[name].load_weights(weights_dir, version=-1)
-        return await (_accuracy if metrics[name] == "accuracy" else _balanced_accuracy)(engines[name], items, cfg)
+        return await SCORERS[metrics[name]](engines[name], items, cfg)
 
     out: dict = {"eval": {}}
     try:
@@ -79,7 +83,8 @@ def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) 
         for name in metrics:
             versions = sorted((run.path / "weights" / name).glob("v*"), key=lambda p: int(p.name[1:]))
             if versions:
-                out["eval"][name].update(last=asyncio.run(score(name, versions[-1])), version=int(versions[-1].name[1:]))
+                last = asyncio.run(score(name, versions[-1]))
+                out["eval"][name].update(last=last, version=int(versions[-1].name[1:]))
     finally:
         for engine in engines.values():
             engine.close()

@@ -23,8 +23,8 @@ import numpy as np
 
 from astraflow.models.factory import MAX_POSITIONS
 from astraflow.models.tokenizer import TextCodec
-from astraflow.rollout.engines.base import Completion, SamplingParams
 from astraflow.rollout.engines import vllm_swap
+from astraflow.rollout.engines.base import Completion, SamplingParams
 from astraflow.rollout.engines.batching import BatchingEngine
 from astraflow.weights.fs import WEIGHTS
 
