@@ -57,6 +57,7 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     os.environ["ASTRAFLOW_SESSION"] = f"local-{os.getpid()}-{int(started)}"
     sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
     t_components = time.time()
+    trainers: list[str] = []
     workers: list[str] = []
     ident = ""
     evaluation = None
@@ -88,6 +89,10 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
         components.dismiss_standby(run, ident)
         sup.stop(workers)
         components.wait_workers_left(run)
+        # then the trainers: one in the middle of a step finishes it (the rank acknowledges its
+        # samples) and checkpoints. Stopped together with the rank, a trainer mid-step left no
+        # stop checkpoint (a chaos run: v11 published, step 9 the newest checkpoint)
+        sup.stop(trainers)
         sup.stop()
         raise SystemExit(f"astraflow run: interrupted; resume with `astraflow run --run-dir {run.path}`") from None
     training_done(evaluation)  # it reads only the published weights: it runs while the rest stops
