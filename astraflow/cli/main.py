@@ -140,7 +140,7 @@ def _eval(args: argparse.Namespace) -> int:
     from astraflow.rollout.evaluate import evaluate_run
 
     if args.after_stdin:
-        os.nice(19)  # it waits beside a running job: it must not slow the components' start or steps
+        os.nice(19)  # it imports beside a starting job: it must not slow the components
     out = evaluate_run(RunDir.open(args.run_dir), sys.stdin.read if args.after_stdin else lambda: None)
     (Path(args.run_dir) / "eval.json").write_text(json.dumps(out, indent=2))  # engines may print to stdout
     print(json.dumps(out))
@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="greedy held-out accuracy of the base and last published weights (eval.json)")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--after-stdin", action="store_true",
-                   help="score the base weights, then the last ones once stdin closes (the launcher's signal)")
+                   help="import the engine at once, score once stdin closes (the launcher's signal)")
     p.set_defaults(fn=_eval)
 
     p = sub.add_parser("env-server", help="serve the built-in text environment over HTTP (agentic workflows)")

@@ -25,13 +25,20 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "astraflow.cli.main", *args]
 
 
+def start_prepare(run: RunDir) -> subprocess.Popen:
+    """Start building (and warming up) the run's model, once per run: a no-op when it exists."""
+    with open(run.path / "logs" / "prepare.log", "a") as out:
+        return subprocess.Popen(cli("prepare", "--run-dir", str(run.path)), stdout=out, stderr=subprocess.STDOUT)
+
+
+def finish_prepare(run: RunDir, preparing: subprocess.Popen) -> None:
+    """Wait for `start_prepare`'s process; raises SystemExit naming the log on failure."""
+    if preparing.wait() != 0:
+        raise SystemExit(f"model preparation failed; see {run.path / 'logs' / 'prepare.log'}")
+
+
 def prepare(run: RunDir) -> None:
-    """Build (and warm up) the run's model once; raises SystemExit naming the log on failure."""
-    log = run.path / "logs" / "prepare.log"
-    with open(log, "a") as out:
-        done = subprocess.run(cli("prepare", "--run-dir", str(run.path)), stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise SystemExit(f"model preparation failed; see {log}")
+    finish_prepare(run, start_prepare(run))
 
 
 def dataflow(run: RunDir, local: bool) -> Component:

@@ -1,14 +1,16 @@
 """`astraflow run CONFIG`: every component as a supervised local process on one machine.
 
-Order: prepare the model (build it from config and warm it up, once per run directory, in a
-child process — the launcher itself never imports torch), start the dataflow rank, then one
-trainer per policy (`trainer.world` ranks each) and `rollout.workers` rollout workers. The
-run ends when every trainer has finished its steps; then workers and the dataflow rank are
-stopped, the last published weights are evaluated greedily on the held-out prompts (the
-evaluation starts with the components: its engine start-up and the score of the starting
-weights overlap the run), and
-`RUN_DIR/summary.json` is written. `astraflow run --run-dir EXISTING` resumes a run: every
-component picks up from the run directory (shards, journal, checkpoints).
+Everything starts at once: the model's preparation (built from config and warmed up, once
+per run directory, in a child process — the launcher itself never imports torch), the
+dataflow rank, one trainer per policy (`trainer.world` ranks each), `rollout.workers`
+rollout workers and the evaluation. They import their libraries (vLLM: ~7 s of CPU) while
+the model is prepared, then wait for it (`models.wait_for_model`): started after the
+preparation, the quickstart's worker served 22 s into the run; started with it, 14-15 s.
+The run ends when every trainer has finished its steps; then the evaluation scores the
+starting and the last published weights greedily on the held-out prompts while the workers
+and the dataflow rank stop, and `RUN_DIR/summary.json` is written.
+`astraflow run --run-dir EXISTING` resumes a run: every component picks up from the run
+directory (shards, journal, checkpoints).
 """
 from __future__ import annotations
 
@@ -50,17 +52,14 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     run = RunDir.create_or_open(run_dir, config, overrides)
     cfg = run.config
     started = time.time()
-    try:
-        components.prepare(run)
-    except SystemExit as e:
-        raise SystemExit(f"astraflow run: {e}") from None
     os.environ["ASTRAFLOW_SESSION"] = f"local-{os.getpid()}-{int(started)}"
     sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
-    t_components = time.time()
     trainers: list[str] = []
     workers: list[str] = []
     ident = ""
     evaluation = None
+    preparing = components.start_prepare(run)
+    t_components = time.time()
     try:
         sup.add(components.dataflow(run, local=True))
         wait_rendezvous(run.path, timeout_s=60, newer_than=t_components)
@@ -68,9 +67,10 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
                     for p in cfg.policy_names]
         workers = [sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}", cfg.worker_policies(i))).name
                    for i in range(cfg.rollout.workers)]
-        ident = components.invite_standby(run)
-        # it starts its engines and scores the starting weights while the run goes on
+        # it imports its engine now and scores when training is done (`training_done`)
         evaluation = start_eval(run, alongside=True)
+        components.finish_prepare(run, preparing)
+        ident = components.invite_standby(run)  # standby workers load the prepared model at once
         progress = Progress(run, quiet)
         remaining = set(trainers)
         while remaining:
@@ -79,12 +79,14 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
             time.sleep(POLL_S)
         progress.close()
         status = components.dataflow_status(run)
-    except ComponentFailed as e:
+    except (ComponentFailed, SystemExit) as e:  # a component, or the model's preparation, failed
+        _cancel(preparing)
         _cancel(evaluation)
         components.dismiss_standby(run, ident)
         sup.stop()
         raise SystemExit(f"astraflow run: {e}") from None
     except KeyboardInterrupt:
+        _cancel(preparing)
         _cancel(evaluation)
         components.dismiss_standby(run, ident)
         sup.stop(workers)

@@ -3,7 +3,8 @@
 reward_first / reward_last: mean training reward over the first / last 10% of steps;
 time_to_target_s / samples_to_target: the first moment the moving average (5 steps) of the
 training reward reaches `TARGET`; samples_per_s: completions trained on per second of the
-components' wall time; eval_accuracy: greedy accuracy of the last published weights on the
+components' wall time (`components_s`: from their start, together with the model's
+preparation, to their stop); eval_accuracy: greedy accuracy of the last published weights on the
 held-out prompts (eval_accuracy_base: the same for the starting weights); wall_s: from the
 start of the run (model build and warm-up included) to the end of that evaluation.
 """
@@ -48,8 +49,8 @@ def policy_summary(rows: list[dict], t_start: float, target: float = TARGET) -> 
 
 def start_eval(run: RunDir, alongside: bool = False) -> subprocess.Popen:
     """`astraflow eval` as a child process; it needs only the published weights. `alongside`:
-    started with the components, it scores the starting weights at once and the last ones when
-    its stdin is closed (`training_done`), so its engine start-up overlaps the run."""
+    started with the components, it imports its engine's library at once and scores when its
+    stdin is closed (`training_done`), so that import overlaps the run's start-up."""
     args = [sys.executable, "-m", "astraflow.cli.main", "eval", "--run-dir", str(run.path)]
     with open(run.path / "logs" / "eval.log", "a") as log:
         return subprocess.Popen(args + ["--after-stdin"] * alongside, stdout=log, stderr=subprocess.STDOUT,
@@ -57,7 +58,7 @@ def start_eval(run: RunDir, alongside: bool = False) -> subprocess.Popen:
 
 
 def training_done(evaluation: subprocess.Popen) -> None:
-    """Let an evaluation started `alongside` go on to the last published weights."""
+    """Let an evaluation started `alongside` go on to score the starting and last weights."""
     evaluation.stdin.close()
 
 

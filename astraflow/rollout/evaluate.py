@@ -7,9 +7,10 @@ both score 0.5). An agent (multi_turn_tool) needs its environment and tools and 
 evaluated here; its training reward is in the metrics.
 
 One engine per policy scores both: the starting weights first, then the last published
-version loaded into it. The local launcher starts the evaluation with the components and
-lets it go on to the last weights when training ends (`--after-stdin`), so the engine's
-start-up and the base score overlap the run instead of following it.
+version loaded into it. The local launcher starts the evaluation with the components
+(`--after-stdin`, nice 19): it imports the engine's library (vLLM: ~7 s of CPU) during the
+run's start-up and builds its engines when training ends. Built during the run, its engine
+slowed the first trainer steps to twice their time, nice 19 or not.
 
 `eval.json`: `eval[policy] = {metric, base, last, version}`, and for the first policy the
 flat keys `eval_accuracy_base`, `eval_accuracy`, `eval_version` that summaries and plots read.
@@ -24,9 +25,9 @@ import numpy as np
 
 from astraflow.config.rundir import RunDir
 from astraflow.config.schema import Config
-from astraflow.models import policy_model_dir
-from astraflow.rollout.engines import ENGINES
+from astraflow.rollout.engines import LIBRARIES
 from astraflow.rollout.engines.base import Engine, SamplingParams
+from astraflow.rollout.worker import build_engines
 from astraflow.tasks.sources import Item, TaskSource
 from astraflow.workflows.cotrain import accepted, judge_context, wrong_answer
 from astraflow.workflows.rewards import REWARDS
@@ -61,14 +62,14 @@ SCORERS = {"accuracy": _accuracy, "balanced_accuracy": _balanced_accuracy}
 
 
 def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) -> dict:
-    """Score each policy's starting weights, wait for `training_done()` to return, then load
-    the last published version into the same engine and score it."""
+    """Import the engine's library, wait for `training_done()` to return, then score each
+    policy's starting weights and the last published version, loaded into the same engine."""
     cfg = run.config
     items = TaskSource(cfg.tasks).heldout
     metrics = {p.name: METRICS[p.role] for p in cfg.policies if p.role in METRICS}
-    engines = {name: ENGINES[cfg.engine.kind](str(policy_model_dir(run.path, cfg, name)),
-                                              max_batch=cfg.engine.max_batch, threads=cfg.engine.threads,
-                                              seed=cfg.run.seed) for name in metrics}
+    LIBRARIES[cfg.engine.kind]()
+    training_done()
+    engines = build_engines(run, list(metrics))
 
     async def score(name: str, weights_dir: Path | None = None) -> float:
         if weights_dir is not None:
@@ -79,7 +80,6 @@ def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) 
     try:
         for name, metric in metrics.items():
             out["eval"][name] = {"metric": metric, "base": asyncio.run(score(name))}
-        training_done()
         for name in metrics:
             versions = sorted((run.path / "weights" / name).glob("v*"), key=lambda p: int(p.name[1:]))
             if versions:

@@ -33,7 +33,7 @@ from tensorboardX import SummaryWriter
 from transformers import AutoModelForCausalLM
 
 from astraflow.config.rundir import RunDir
-from astraflow.models import policy_model_dir
+from astraflow.models import wait_for_model
 from astraflow.models.tokenizer import TextCodec
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, moved_to, read_rendezvous, wait_rendezvous
@@ -66,7 +66,7 @@ class TorchTrainer:
         self.temperature = run.config.engine.temperature  # the behaviour policy's: see token_logprobs
         torch.set_num_threads(self.tcfg.threads)
         torch.manual_seed(run.config.run.seed + rank)
-        self.base_dir = policy_model_dir(run.path, run.config, policy)
+        self.base_dir = wait_for_model(run.path, run.config, policy)  # it may still be being prepared
         self.codec = TextCodec(self.base_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
         # the starting policy, frozen, for the KL term (`trainer.ref_kl`; its value is the

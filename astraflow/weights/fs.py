@@ -1,10 +1,12 @@
 """Filesystem weight channel: each version published atomically as an HF model directory.
 
-`publish()` writes `RUN_DIR/weights/<policy>/.v<N>.tmp/` (safetensors + config + tokenizer),
-fsyncs the files and renames the directory to `v<N>`: a reader either sees a complete
-version or none. `checksum.json` holds the SHA-256 of the weights; `verify()` checks it, so a
-file damaged at rest (a bad disk, a careless copy) is refused instead of loaded. The URI handed to the dataflow rank is `file://<absolute path>`. The
-channel crosses job and region boundaries because it is only files on the shared filesystem.
+`publish()` writes `RUN_DIR/weights/<policy>/.v<N>.tmp/` (safetensors + config + tokenizer; the
+last two hard links to the base model's files where the filesystem allows), fsyncs the new
+files and renames the directory to `v<N>`: a reader either sees a complete version or none.
+`checksum.json` holds the SHA-256 of the weights; `verify()` checks it, so a file damaged at
+rest (a bad disk, a careless copy) is refused instead of loaded. The URI handed to the
+dataflow rank is `file://<absolute path>`. The channel crosses job and region boundaries
+because it is only files on the shared filesystem.
 """
 from __future__ import annotations
 
@@ -56,12 +58,12 @@ def publish(state_dict: dict, base_model_dir: Path, weights_root: Path, policy: 
             tensors[name] = tensor
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
     (tmp / CHECKSUM).write_text(json.dumps({WEIGHTS: sha256(tmp / WEIGHTS)}))
-    for name in COPIED:
-        if (Path(base_model_dir) / name).exists():
-            shutil.copy(Path(base_model_dir) / name, tmp / name)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
+    for name in (WEIGHTS, CHECKSUM):
+        with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
+    for name in COPIED:  # the same every version: linked, not written and synced again
+        if (Path(base_model_dir) / name).exists():
+            _link_or_copy(Path(base_model_dir) / name, tmp / name)
     if final.exists():  # a re-publish after a trainer restart replaces the old copy
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -71,6 +73,15 @@ def publish(state_dict: dict, base_model_dir: Path, weights_root: Path, policy: 
     finally:
         os.close(fd)
     return f"file://{final.resolve()}"
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copy(src, dst)
+        with open(dst, "rb") as fh:
+            os.fsync(fh.fileno())
 
 
 def path_of(uri: str) -> Path:

@@ -3,18 +3,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from astraflow.models import policy_model_dir, wait_for_model
 from astraflow.models.factory import make_model
 from astraflow.models.tokenizer import TextCodec
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.rollout.engines.hf import HFEngine
 from astraflow.trainer.batch import TrainBatch, token_logprobs, token_scores
 from astraflow.weights.fs import load_state_dict, path_of, publish
+from tests.conftest import make_run
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +134,23 @@ def test_reload_serves_exactly_the_published_weights(model_dir, tmp_path):
     out = asyncio.run(go())
     assert out.version == 3
     np.testing.assert_allclose(out.logprobs, teacher_forced(trainer_model, prompt, out.tokens, 1.0), atol=1e-5)
+
+
+def test_a_component_started_with_the_run_waits_for_its_model(tmp_path, model_dir):
+    """`wait_for_model` returns only once the preparation has renamed the finished directory
+    into place; a configured model used as it is (no warm-up) is never waited for."""
+    run = make_run(tmp_path)
+    target = policy_model_dir(run.path, run.config, "policy")
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.copytree(model_dir, tmp)  # a preparation half-way: the directory is not in place yet
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(wait_for_model(run.path, run.config, "policy", poll_s=0.01)))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and not got
+    tmp.rename(target)
+    waiter.join(timeout=5)
+    assert got == [target]
+    (tmp_path / "b").mkdir()
+    configured = make_run(tmp_path / "b", [f"model.path={tmp_path / 'nowhere'}", "warmup.steps=0"])
+    assert wait_for_model(configured.path, configured.config, "policy") == tmp_path / "nowhere"

@@ -1,6 +1,9 @@
-"""Inference engines behind one async interface. Registry: `ENGINES` (explicit table)."""
+"""Inference engines behind one async interface. Registries: `ENGINES` (explicit table) and
+`LIBRARIES`: each engine's library import, seconds for vLLM, which a worker does first, while
+its run's model may still be being prepared."""
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 from astraflow.rollout.engines.base import Engine
@@ -19,3 +22,16 @@ def _vllm(model_dir: str, **kw) -> Engine:
 
 
 ENGINES: dict[str, Callable[..., Engine]] = {"hf": _hf, "vllm": _vllm}
+
+
+def _hf_library() -> None:
+    importlib.import_module("astraflow.rollout.engines.hf")  # torch and transformers
+
+
+def _vllm_library() -> None:
+    from astraflow.rollout.engines.vllm import import_vllm
+
+    import_vllm()
+
+
+LIBRARIES: dict[str, Callable[[], None]] = {"hf": _hf_library, "vllm": _vllm_library}

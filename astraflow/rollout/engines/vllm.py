@@ -16,6 +16,7 @@ threads to every core fights the trainer on the same machine).
 """
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -32,15 +33,21 @@ CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING":
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
+def import_vllm() -> None:
+    """Import vLLM (seconds) with the CPU defaults in the environment, where it reads them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        for key, value in CPU_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+    importlib.import_module("vllm.entrypoints.llm")  # `LLM` and what it imports
+
+
 class VLLMEngine(BatchingEngine):
     def __init__(self, model_dir: str | Path, max_batch: int = 256, threads: int | None = None, seed: int = 0,
                  batch_wait_s: float = 0.0) -> None:
         super().__init__(max_batch, batch_wait_s)
-        import torch
-
-        if not torch.cuda.is_available():
-            for key, value in CPU_DEFAULTS.items():
-                os.environ.setdefault(key, value)
+        import_vllm()
         # `threads` is not applied: vLLM's CPU attention records its OpenMP thread count when
         # the engine is built and checks it in every call, and batches run in another thread
         # (whose OpenMP default is the core count), so any other setting fails that check.
