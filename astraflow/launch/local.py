@@ -27,7 +27,7 @@ from astraflow.launch.summary import start_eval, training_done, write_summary
 from astraflow.launch.supervisor import ComponentFailed, Supervisor
 from astraflow.protocol.client import wait_rendezvous
 
-POLL_S = 0.5
+POLL_S = 0.1  # how soon the launcher notices that the last trainer has exited
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -12,7 +12,10 @@ here (log_softmax(logprobs / T) equals log_softmax(logits / T)).
 
 CPU defaults (each overridable by the environment): a 1 GiB KV cache, the engine core in this
 process (one fewer process on a small machine), no OpenMP thread pinning (pinning vLLM's
-threads to every core fights the trainer on the same machine).
+threads to every core fights the trainer on the same machine), and no `torch.compile`: even
+with `enforce_eager`, vLLM compiles its sampler's logprob gather with inductor on the first
+batch, 2.4 s of it (the evaluation's first score: 2.5 → 0.12 s; batch times unchanged within
+the machine's noise). Read when torch's dynamo config is first imported, which vLLM does.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from astraflow.rollout.engines.batching import BatchingEngine
 from astraflow.weights.fs import WEIGHTS
 
 CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TORCH_COMPILE_DISABLE": "1"}
 
 
 def import_vllm() -> None:
