@@ -26,9 +26,9 @@ def one_run(config: str, run_dir: Path, overrides: list[str], target: float) -> 
     rows = read_metrics(run_dir, policy)
     hit = policy_summary(rows, rows[0]["time"] if rows else 0.0, target)
     return {"samples_to_target": hit["samples_to_target"], "seconds_from_first_step_to_target": hit["time_to_target_s"],
-            "reward_first": summary["reward_first"], "reward_last": summary["reward_last"],
-            "eval_accuracy": summary.get("eval_accuracy"), "wall_s": summary["wall_s"],
-            **{k: summary[k] for k in ("generated", "trained", "dropped_stale", "filtered_zero_advantage")}}
+            **{k: summary.get(k) for k in ("reward_first", "reward_last", "eval_accuracy_base", "eval_accuracy", "wall_s",
+                                           "time_to_target_s", "samples_per_s", "generated", "trained",
+                                           "dropped_stale", "filtered_zero_advantage")}}
 
 
 def median_samples(runs: list[dict]) -> float:

@@ -9,8 +9,8 @@ evaluated here; its training reward is in the metrics.
 One engine per policy scores both: the starting weights first, then the last published
 version loaded into it. The local launcher starts the evaluation with the components
 (`--after-stdin`, nice 19): it imports the engine's library (vLLM: ~7 s of CPU) during the
-run's start-up and builds its engines when training ends. Built during the run, its engine
-slowed the first trainer steps to twice their time, nice 19 or not.
+run's start-up and builds its engines when training ends: built during the run, at nice 19,
+its engine slowed the first trainer steps to twice their time for 10-20 s.
 
 `eval.json`: `eval[policy] = {metric, base, last, version}`, and for the first policy the
 flat keys `eval_accuracy_base`, `eval_accuracy`, `eval_version` that summaries and plots read.
