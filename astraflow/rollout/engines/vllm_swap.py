@@ -63,7 +63,6 @@ def _targets(model, modules: dict, weights: dict[str, torch.Tensor]) -> dict[tup
     packed = getattr(model, "packed_modules_mapping", {})
     shard_of = {shard: (stacked, i) for stacked, shards in packed.items() for i, shard in enumerate(shards)}
     parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, tensor in weights.items():
         module_name, _, param_name = name.rpartition(".")
