@@ -5,7 +5,9 @@ batching at request granularity); requests with different sampling parameters go
 different batches, except for `max_tokens` and `ignore_eos`, which are per request within a
 batch (a batch of long-tailed lengths runs together). Batches and weight loads run in a worker thread, one at a time, so the
 event loop keeps serving episodes (tool calls, commits) meanwhile and a reload never lands
-inside a batch. Subclasses implement `generate_batch` and `load_path`.
+inside a batch; a version is read from disk (`read_weights`) before the lock, while a batch
+may still run, and only put in place (`load_path`) under it. Subclasses implement
+`generate_batch` and `load_path`.
 
 A batch has a fixed cost that dwarfs its per-sequence cost on small models (the hf engine on
 the tiny model: 14 ms for 8 sequences, 27 ms for 128), and episodes submit in small clumps as
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from astraflow.rollout.engines.base import Completion, SamplingParams
 
@@ -36,7 +39,12 @@ class BatchingEngine:
         """One completion per prompt; every request of a batch has the same temperature."""
         raise NotImplementedError
 
-    def load_path(self, path: Path) -> None:
+    def read_weights(self, path: Path) -> Any:
+        """What `load_path` needs of a published version, read outside the batch lock."""
+        return path
+
+    def load_path(self, weights: Any) -> None:
+        """Put `read_weights`' result in place (between batches)."""
         raise NotImplementedError
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
@@ -48,8 +56,9 @@ class BatchingEngine:
 
     async def load_weights(self, path: Path, version: int) -> None:
         self._ensure_runner()
+        weights = await asyncio.to_thread(self.read_weights, Path(path))
         async with self._lock:  # between batches
-            await asyncio.to_thread(self.load_path, Path(path))
+            await asyncio.to_thread(self.load_path, weights)
             self.version = version
 
     def close(self) -> None:

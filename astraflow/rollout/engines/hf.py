@@ -31,8 +31,11 @@ class HFEngine(BatchingEngine):
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.codec = TextCodec(model_dir)
 
-    def load_path(self, path: Path) -> None:
-        self.model.load_state_dict(load_state_dict(path), strict=True)
+    def read_weights(self, path: Path) -> dict:
+        return load_state_dict(path)
+
+    def load_path(self, weights: dict) -> None:
+        self.model.load_state_dict(weights, strict=True)
 
     # ---------------------------------------------------------------- batch
     @torch.inference_mode()

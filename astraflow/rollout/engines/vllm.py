@@ -30,7 +30,7 @@ from astraflow.models.tokenizer import TextCodec
 from astraflow.rollout.engines import vllm_swap
 from astraflow.rollout.engines.base import Completion, SamplingParams
 from astraflow.rollout.engines.batching import BatchingEngine
-from astraflow.weights.fs import WEIGHTS
+from astraflow.weights.fs import load_state_dict
 
 CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TORCH_COMPILE_DISABLE": "1"}
@@ -115,10 +115,12 @@ class VLLMEngine(BatchingEngine):
         return Completion(tokens, np.asarray(logprobs, np.float32), self.version, bool(tokens[-1] == self.codec.eos_id),
                           len(tokens))
 
-    def load_path(self, path: Path) -> None:
-        if self.swap_in_place:
-            from safetensors.torch import load_file
+    def read_weights(self, path: Path) -> dict | Path:
+        """The tensors for an in-place swap; vLLM's `reload_weights` reads the directory itself."""
+        return load_state_dict(path) if self.swap_in_place else path
 
-            self.llm.collective_rpc(vllm_swap.swap, args=(load_file(str(Path(path) / WEIGHTS)),))
+    def load_path(self, weights: dict | Path) -> None:
+        if self.swap_in_place:
+            self.llm.collective_rpc(vllm_swap.swap, args=(weights,))
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})
