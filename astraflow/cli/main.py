@@ -78,10 +78,13 @@ def _prepare(args: argparse.Namespace) -> int:
     import shutil
 
     from astraflow.config.rundir import RunDir
+    from astraflow.heap import long_lived
     from astraflow.models import base_model_dir, policy_model_dir
-    from astraflow.models.factory import make_model
     from astraflow.tasks.sources import TaskSource
-    from astraflow.trainer.warmup import warm_up
+
+    with long_lived():  # torch and transformers
+        from astraflow.models.factory import make_model
+        from astraflow.trainer.warmup import warm_up
 
     run = RunDir.open(args.run_dir)
     cfg = run.config
@@ -131,8 +134,11 @@ def _rollout(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from astraflow.heap import long_lived
     from astraflow.launch.supervisor import EXIT_STOPPED
-    from astraflow.trainer.torch_backend import run_trainer
+
+    with long_lived():  # torch and transformers
+        from astraflow.trainer.torch_backend import run_trainer
 
     _exit_now(0 if run_trainer(args.run_dir, args.policy) else EXIT_STOPPED)
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from astraflow.config.rundir import RunDir
 from astraflow.config.schema import Config
-from astraflow.rollout.engines import LIBRARIES
+from astraflow.rollout.engines import import_library
 from astraflow.rollout.engines.base import Engine, SamplingParams
 from astraflow.rollout.worker import build_engines
 from astraflow.tasks.sources import Item, TaskSource
@@ -67,7 +67,7 @@ def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) 
     cfg = run.config
     items = TaskSource(cfg.tasks).heldout
     metrics = {p.name: METRICS[p.role] for p in cfg.policies if p.role in METRICS}
-    LIBRARIES[cfg.engine.kind]()
+    import_library(cfg.engine)
     training_done()
     engines = build_engines(run, list(metrics))
 

@@ -21,6 +21,7 @@ for the next run instead of exiting.
 """
 from __future__ import annotations
 
+import gc
 import asyncio
 import logging
 import time
@@ -121,6 +122,8 @@ class StandbyWorker:
     def close_engines(self) -> None:
         for engine in (self.engines or {}).values():
             engine.close()
+        if self.engines is not None:
+            gc.unfreeze()  # `build_engines` froze them: their cycles are garbage now
         self.engines = self.engine_key = None
 
 

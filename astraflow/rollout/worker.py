@@ -32,12 +32,13 @@ import numpy as np
 
 from astraflow.config.rundir import RunDir
 from astraflow.environments.client import EnvironmentClient
+from astraflow.heap import long_lived, serving
 from astraflow.models import wait_for_model
 from astraflow.protocol import messages as m
 from astraflow.protocol.aclient import AsyncClient
 from astraflow.protocol.client import moved_to, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
-from astraflow.rollout.engines import ENGINES, LIBRARIES
+from astraflow.rollout.engines import ENGINES, import_library
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.slurm.env import partition, rollout_worker_id
 from astraflow.weights.fs import path_of, verify
@@ -61,11 +62,12 @@ def build_engines(run: RunDir, policies: list[str]) -> dict[str, Any]:
     The engine's library is imported first: a worker started with its run overlaps that
     import (vLLM: 6-10 s on 2 cores) with the model's preparation."""
     cfg = run.config
-    LIBRARIES[cfg.engine.kind]()
-    return {p: ENGINES[cfg.engine.kind](str(wait_for_model(run.path, cfg, p)), max_batch=cfg.engine.max_batch,
-                                        threads=cfg.engine.threads, seed=cfg.run.seed,
-                                        batch_wait_s=cfg.engine.batch_wait_ms / 1e3)
-            for p in policies}
+    import_library(cfg.engine)
+    with long_lived():  # frozen first: the build's own `gc.collect()` calls skip the library
+        return {p: ENGINES[cfg.engine.kind](str(wait_for_model(run.path, cfg, p)), max_batch=cfg.engine.max_batch,
+                                            threads=cfg.engine.threads, seed=cfg.run.seed,
+                                            batch_wait_s=cfg.engine.batch_wait_ms / 1e3)
+                for p in policies}
 
 
 class RolloutWorker:
@@ -317,6 +319,8 @@ class RolloutWorker:
 def run_until_stopped(stop: Callable[[], None], serve: Callable[[], Awaitable[None]]) -> None:
     """Run `serve()`; SIGTERM, Ctrl-C and Slurm's warning signal (SIGUSR1) all call `stop`:
     hand back and leave."""
+    serving()
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):

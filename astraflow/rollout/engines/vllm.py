@@ -51,9 +51,7 @@ class VLLMEngine(BatchingEngine):
                  batch_wait_s: float = 0.0) -> None:
         super().__init__(max_batch, batch_wait_s)
         import_vllm()
-        # `threads` is not applied: vLLM's CPU attention records its OpenMP thread count when
-        # the engine is built and checks it in every call, and batches run in another thread
-        # (whose OpenMP default is the core count), so any other setting fails that check.
+        # `threads` reaches vLLM through OMP_NUM_THREADS, set before torch loads (`engines.import_library`)
         from vllm import LLM
 
         self.codec = TextCodec(model_dir)
