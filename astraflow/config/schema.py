@@ -141,7 +141,7 @@ class EngineConfig:
     kind: str = choice("hf", "hf", "vllm")
     max_tokens: int = 8
     temperature: float = 1.0
-    threads: int = 1  # torch threads per engine process
+    threads: int = 1  # OpenMP threads per engine process (OMP_NUM_THREADS, unless the environment sets it)
     max_batch: int = 256
     batch_wait_ms: float = 5.0  # how long a batch may wait to fill (see engines/batching.py)
 
