@@ -21,8 +21,8 @@ for the next run instead of exiting.
 """
 from __future__ import annotations
 
-import gc
 import asyncio
+import gc
 import logging
 import time
 from pathlib import Path

@@ -318,7 +318,7 @@ class RolloutWorker:
 
 def run_until_stopped(stop: Callable[[], None], serve: Callable[[], Awaitable[None]]) -> None:
     """Run `serve()`; SIGTERM, Ctrl-C and Slurm's warning signal (SIGUSR1) all call `stop`:
-    hand back and leave."""
+    hand back and leave. Young objects are collected rarely meanwhile (`heap.serving`)."""
     serving()
 
     async def main() -> None:
