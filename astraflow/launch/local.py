@@ -34,10 +34,13 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _cancel(evaluation: subprocess.Popen | None) -> None:
-    if evaluation is not None:
-        evaluation.kill()
-        evaluation.wait()
+def _cancel(*children: subprocess.Popen | None) -> None:
+    """Kill the children the launcher started beside the supervised components (the
+    preparation, the evaluation), those that were started."""
+    for child in children:
+        if child is not None:
+            child.kill()
+            child.wait()
 
 
 def run_local(config: str | None, run_dir: str | None, overrides: list[str], quiet: bool = False) -> dict:
@@ -80,14 +83,12 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
         progress.close()
         status = components.dataflow_status(run)
     except (ComponentFailed, SystemExit) as e:  # a component, or the model's preparation, failed
-        _cancel(preparing)
-        _cancel(evaluation)
+        _cancel(preparing, evaluation)
         components.dismiss_standby(run, ident)
         sup.stop()
         raise SystemExit(f"astraflow run: {e}") from None
     except KeyboardInterrupt:
-        _cancel(preparing)
-        _cancel(evaluation)
+        _cancel(preparing, evaluation)
         components.dismiss_standby(run, ident)
         sup.stop(workers)
         components.wait_workers_left(run)

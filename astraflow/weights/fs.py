@@ -59,8 +59,7 @@ def publish(state_dict: dict, base_model_dir: Path, weights_root: Path, policy: 
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
     (tmp / CHECKSUM).write_text(json.dumps({WEIGHTS: sha256(tmp / WEIGHTS)}))
     for name in (WEIGHTS, CHECKSUM):
-        with open(tmp / name, "rb") as fh:
-            os.fsync(fh.fileno())
+        _fsync(tmp / name)
     for name in COPIED:  # the same every version: linked, not written and synced again
         if (Path(base_model_dir) / name).exists():
             _link_or_copy(Path(base_model_dir) / name, tmp / name)
@@ -80,8 +79,12 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:  # another filesystem, or one without hard links
         shutil.copy(src, dst)
-        with open(dst, "rb") as fh:
-            os.fsync(fh.fileno())
+        _fsync(dst)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
 
 
 def path_of(uri: str) -> Path:
