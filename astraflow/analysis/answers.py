@@ -55,7 +55,9 @@ def answers_report(run_dir: str | Path, buckets: int = 5, top: int = 40) -> dict
         g = everything[everything["guided"] == 0]
         edges = np.linspace(0, int(g["version_min"].max()) + 1, buckets + 1)
         bucket = np.clip(np.digitize(g["version_min"], edges) - 1, 0, buckets - 1)
-        means = g.groupby(["answer", bucket])["reward"].mean().unstack()
+        # weighted back for prompt selection (the `weight` column): means over the prompt set
+        sums = g.assign(wr=g["reward"] * g["weight"]).groupby(["answer", bucket])[["wr", "weight"]].sum()
+        means = (sums["wr"] / sums["weight"]).unstack()
         counts = g["answer"].value_counts()
         rows = []
         for answer in sorted(counts.index[:top], key=_answer_key):

@@ -3,7 +3,9 @@
 Reads the shards (SWMR) and the journal, so it works on a finished or crashed run too; when
 the run's dataflow rank answers, its `status` document (same schema as `Status`) is added
 under `live`. The version lag of a trajectory is the latest published version
-of its policy when it was stored minus the oldest version that generated its tokens.
+of its policy when it was stored minus the oldest version that generated its tokens. Reward
+means and spreads weigh each sample by its `weight` column (prompt selection), so they are
+over the prompt set, as the training reward is.
 """
 from __future__ import annotations
 
@@ -72,13 +74,13 @@ def inspect_run(run_dir: str | Path, live: bool = True) -> dict[str, Any]:
         for b in range(TIMELINE_BUCKETS):
             sel = g[(bucket == b) & sampled]
             timeline.append({"t_s": round(float(edges[b] - t0), 3), "trajectories": int((bucket == b).sum()),
-                             "reward_mean": float(sel["reward"].mean()) if len(sel) else None})
+                             "reward_mean": _reward_mean(sel) if len(sel) else None})
         report["policies"][policy] = {
             "trajectories": int(len(g)),
             "guided": int((~sampled).sum()),
             "tokens": int(g["length"].sum()),
-            "reward_mean": float(g["reward"][sampled].mean()),
-            "reward_std": float(g["reward"][sampled].std(ddof=0)),
+            "reward_mean": _reward_mean(g[sampled]),
+            "reward_std": _reward_std(g[sampled]),
             "version_lag": {str(k): int(v) for k, v in lag.value_counts().sort_index().items()},
             "per_worker": {str(k): int(v) for k, v in g["worker"].value_counts().items()},
             "consumed": consumed.get(policy, 0),
@@ -86,6 +88,15 @@ def inspect_run(run_dir: str | Path, live: bool = True) -> dict[str, Any]:
             "timeline": timeline,
         }
     return report
+
+
+def _reward_mean(rows: Any) -> float:
+    """Mean reward over the prompt set: each sample weighted back for prompt selection."""
+    return float(np.average(rows["reward"], weights=rows["weight"]))
+
+
+def _reward_std(rows: Any) -> float:
+    return float(np.sqrt(np.average((rows["reward"] - _reward_mean(rows)) ** 2, weights=rows["weight"])))
 
 
 def format_report(r: dict[str, Any]) -> str:

@@ -178,7 +178,8 @@ def _ceilings(tokens: int, tmp: Path) -> dict[str, float]:
         rows={"sample_id": np.arange(n), "task_id": np.zeros(n, np.int64), "episode_id": np.zeros(n, np.int64),
               "group_id": np.zeros(n, np.int64), "policy": np.zeros(n, np.uint8), "worker": np.full(n, b"w", "S64"),
               "length": np.full(n, tokens, np.int32), "reward": np.zeros(n, np.float32),
-              "guided": np.zeros(n, np.uint8), "gen_s": np.zeros(n, np.float32), "t_commit": np.zeros(n),
+              "guided": np.zeros(n, np.uint8), "weight": np.ones(n, np.float32), "gen_s": np.zeros(n, np.float32),
+              "t_commit": np.zeros(n),
               "version_min": np.zeros(n, np.int32), "version_max": np.zeros(n, np.int32),
               "version_at_commit": np.zeros(n, np.int32)},
         meta=[b""] * n)

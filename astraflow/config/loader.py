@@ -119,6 +119,10 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('elastic')}: elastic: expected 0 <= shrink_below < grow_above <= 1")
     if cfg.tasks.group_size < 1:
         raise ConfigError(f"{where.at('tasks.group_size')}: tasks.group_size: expected >= 1")
+    sel = cfg.selection
+    if not 0.0 < sel.explore <= 1.0 or sel.max_streak < 1:
+        raise ConfigError(f"{where.at('selection')}: selection: expected 0 < explore <= 1 and max_streak >= 1, "
+                          f"got explore={sel.explore}, max_streak={sel.max_streak}")
     t = cfg.trainer
     if t.lr_warmup_steps < 0 or not 0.0 <= t.lr_min_ratio <= 1.0:
         raise ConfigError(f"{where.at('trainer')}: trainer: expected lr_warmup_steps >= 0 and 0 <= lr_min_ratio <= 1")

@@ -210,6 +210,16 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True)
+class SelectionConfig:
+    """Pre-rollout prompt selection (astraflow/dataflow/selection.py)."""
+    # Skip a prompt whose last z groups were all filtered for zero advantage, except with
+    # probability explore ** min(z, max_streak); rewards of kept prompts are weighted back.
+    skip_zero_advantage: bool = runtime(False)
+    explore: float = runtime(0.5)
+    max_streak: int = runtime(4)
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     backend: str = choice("torch", "torch")
     steps: int = 50
@@ -268,6 +278,7 @@ class Config:
     elastic: ElasticConfig = ElasticConfig()
     workflow: WorkflowConfig = WorkflowConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+    selection: SelectionConfig = SelectionConfig()
 
     def policy(self, name: str) -> PolicyConfig:
         for p in self.policies:

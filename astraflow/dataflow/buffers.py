@@ -58,7 +58,8 @@ class PolicyBuffer:
         ("stored", "guided", "served", "consumed", "dropped_stale", "filtered", "replayed", "unused"), 0))
     trainer_step: int = 0
     trainer_version: int = 0
-    reward_sum: float = 0.0  # of every sample added since `generated_reward()` was last read
+    reward_sum: float = 0.0  # weighted, of every sample added since `generated_reward()` was last read
+    reward_weight: float = 0.0
     reward_count: int = 0
     last_reward_mean: float = float("nan")  # NaN only until something is generated
     cached_tokens: int = 0  # tokens of the payloads held in memory
@@ -68,16 +69,17 @@ class PolicyBuffer:
             self.cached_tokens -= info.tokens
         info.state, info.payload = state, None
 
-    def add(self, info: SampleInfo, filtered: bool, reward: float, guided: bool = False) -> None:
+    def add(self, info: SampleInfo, filtered: bool, reward: float, guided: bool = False, weight: float = 1.0) -> None:
         """Store a sample. A guided one (a reference answer, or a verdict on an answer the
         solver did not give) is trained like any other but counted apart, and never in the
-        generated reward."""
+        generated reward. `weight`: its prompt's in the generated reward (selection.py)."""
         self.samples[info.sample_id] = info
         self.counts["stored"] += 1
         if guided:
             self.counts["guided"] += 1
         else:
-            self.reward_sum += reward
+            self.reward_sum += weight * reward
+            self.reward_weight += weight
             self.reward_count += 1
         if info.payload is not None:
             self.cached_tokens += info.tokens
@@ -166,14 +168,15 @@ class PolicyBuffer:
         return sorted(s for s in self.consumed if s > resume_step)
 
     def generated_reward(self) -> tuple[float, int]:
-        """Mean reward and count of everything generated since the last call (then reset).
+        """Mean reward (weighted by prompt selection) and count of everything generated since
+        the last call (then reset).
         With nothing generated since, the previous mean and a count of 0: a trainer step
         served from the buffer's surplus still has a defined reward in the metrics (it was
         NaN, which broke moving averages over the CSV)."""
         if self.reward_count:
-            self.last_reward_mean = self.reward_sum / self.reward_count
+            self.last_reward_mean = self.reward_sum / self.reward_weight
         out = (self.last_reward_mean, self.reward_count)
-        self.reward_sum, self.reward_count = 0.0, 0
+        self.reward_sum, self.reward_weight, self.reward_count = 0.0, 0.0, 0
         return out
 
     def state_counts(self) -> dict[str, int]:

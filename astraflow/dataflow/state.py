@@ -27,6 +27,7 @@ from astraflow.dataflow import schedule
 from astraflow.dataflow.buffers import (CONSUMED, FILTERED, READY, PolicyBuffer, SampleInfo, cached_mb,
                                        group_stats)
 from astraflow.dataflow.leases import TaskTable
+from astraflow.dataflow.selection import PromptSelection
 from astraflow.dataflow.status import WaitTracker, build_status
 from astraflow.tasks.sources import TaskSource
 from astraflow.dataflow.weights import WeightRegistry
@@ -74,6 +75,7 @@ class DataflowState:
         self.policy_index = {p: i for i, p in enumerate(self.policy_names)}
         self.source = TaskSource(cfg.tasks)
         self.tasks = TaskTable(limit=self.source.limit)
+        self.selection = PromptSelection(cfg.selection, cfg.run.seed)
         self.buffers = {p.name: PolicyBuffer(p.name, p.max_staleness, p.buffer_capacity, cfg.trainer_for(p.name).steps)
                         for p in cfg.policies}
         self.workers = WorkerRegistry()
@@ -114,15 +116,19 @@ class DataflowState:
                 groups[(tid, self.policy_index[policy])].append((sid, float(rows["reward"][r])))
                 done.add(tid)
                 self.next_sample_id = max(self.next_sample_id, sid + 1)
-        for (tid, pi), members in groups.items():
+        uninformative: dict[int, bool] = {}  # task -> every group it produced was filtered
+        for (tid, pi), members in sorted(groups.items()):
             policy = self.policy_names[pi]
             rewards = np.array([r for _, r in members], dtype=np.float64)
             mean, std, adv = group_stats(rewards, self.cfg.policy(policy).advantage_std)
             filtered = self._filtered(policy, rewards, std)
+            uninformative[tid] = uninformative.get(tid, True) and filtered
             for (sid, _), a in zip(members, adv):
                 info = infos[policy][sid]
                 info.advantage, info.group_mean, info.group_std = float(a), mean, std
                 info.state = FILTERED if filtered else READY
+        for tid, zero in uninformative.items():  # in task order, as the tasks were committed (about)
+            self.selection.observe(self.source.index(tid), zero)
         high_water = 0
         for ev in replay(self.run_dir / "journal"):
             kind = ev.get("ev")
@@ -312,12 +318,12 @@ class DataflowState:
             if not exempt and not all(self.buffers[p].has_room(inflight) for p in needed):
                 reason = "backpressure"
                 break
-            tid = self.tasks.take()
+            tid, weight = self._take_selected()
             if tid is None:
                 # "exhausted": nothing will ever come; "drained": leased tasks may still return
                 reason = "drained" if self.tasks.leased or tasks else "exhausted"
                 break
-            self.tasks.lease(tid, worker.worker_id, now, self.cfg.dataflow.lease_s, req.versions)
+            self.tasks.lease(tid, worker.worker_id, now, self.cfg.dataflow.lease_s, req.versions).weight = weight
             item = self.source.item(tid)
             tasks.append(m.Task(tid, self.cfg.dataflow.lease_s, item.prompt, item.answer, group, list(needed)))
         if self.tasks.next_id > self.task_hwm:
@@ -326,6 +332,17 @@ class DataflowState:
         if reason == "backpressure":
             self.counters["lease_backpressure"] += 1
         return m.LeaseReply(tasks, 0.0 if tasks else 0.2, reason)
+
+    def _take_selected(self) -> tuple[int | None, float]:
+        """The next task whose prompt selection keeps, with its reward weight. A skipped task
+        id is never handed out (a restarted rank may offer it again)."""
+        while True:
+            tid = self.tasks.take()
+            if tid is None:
+                return None, 1.0
+            weight = self.selection.weight(self.source.index(tid))
+            if weight is not None:
+                return tid, weight
 
     def _renew(self, req: m.Renew, now: float) -> m.RenewReply:
         self._worker(req.worker_id, now)
@@ -367,7 +384,9 @@ class DataflowState:
         unknown = set(trajs.policy) - set(self.policy_index)
         if unknown:
             raise RequestError("bad_request", f"trajectories.policy: unknown policies {sorted(unknown)}")
-        batch, vmin = self._row_batch(req, tid)
+        lease = self.tasks.leased.get(tid)
+        weight = lease.weight if lease is not None else 1.0  # a late commit after its lease expired
+        batch, vmin = self._row_batch(req, tid, weight)
         sids = batch.rows["sample_id"]
         rewards = batch.rows["reward"].astype(np.float64)
         policy_idx = batch.rows["policy"]
@@ -377,21 +396,24 @@ class DataflowState:
         keep = cached_mb(self.buffers.values()) < self.cfg.dataflow.payload_cache_mb
         if not keep:
             self.counters["payload_not_cached"] += n
+        uninformative = True
         for pi in np.unique(policy_idx):
             policy = self.policy_names[pi]
             members = np.flatnonzero(policy_idx == pi)
             mean, std, adv = group_stats(rewards[members], self.cfg.policy(policy).advantage_std)
             filtered = self._filtered(policy, rewards[members], std)
+            uninformative &= filtered
             buf = self.buffers[policy]
             for j, a in zip(members, adv):
                 buf.add(SampleInfo(int(sids[j]), tid, int(vmin[j]), float(a), mean, std, locs[j],
                                    (trajs, int(j)) if keep else None, tokens=int(lengths[j])),
-                        filtered, float(rewards[j]), bool(guided[j]))
+                        filtered, float(rewards[j]), bool(guided[j]), weight)
+        self.selection.observe(self.source.index(tid), uninformative)
         self.tasks.complete(tid)
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
         return m.CommitReply("stored", sids.tolist(), self._latest())
 
-    def _row_batch(self, req: m.Commit, tid: int) -> tuple[RowBatch, np.ndarray]:
+    def _row_batch(self, req: m.Commit, tid: int, weight: float) -> tuple[RowBatch, np.ndarray]:
         """Columns for the store, computed with whole-array operations (this is the hot path)."""
         trajs = req.trajectories
         n = len(trajs)
@@ -416,6 +438,7 @@ class DataflowState:
                 "policy": np.array([self.policy_index[p] for p in trajs.policy], np.uint8),
                 "worker": np.full(n, req.worker_id.encode()[:64], dtype="S64"), "length": trajs.lengths,
                 "reward": trajs.reward, "guided": np.array([bool(x.get("guided")) for x in trajs.meta], np.uint8),
+                "weight": np.full(n, weight, np.float32),
                 "gen_s": trajs.gen_s, "t_commit": np.full(n, time.time()),
                 "version_min": vmin, "version_max": vmax,
                 "version_at_commit": np.array([self.weights.latest(p)[0] for p in trajs.policy], np.int32)}

@@ -6,7 +6,7 @@ elastic controller:
     workers:  alive, dead, by_partition{p: n}, list[{id, alive, partition, hardware, host, pid, base,
               draining, policies, leases, trajectories, tokens, trajectories_per_s,
               tokens_per_s, versions}]
-    tasks:    created, queued, leased, done, requeued, exhausted
+    tasks:    created, queued, leased, done, requeued, exhausted, skipped (prompt selection)
     policies: {name: {stored, served, consumed, dropped_stale, filtered, replayed, unused, buffered,
               latest_version, trainer_step, trainer_wait_fraction, trainer}}
     throughput: {per_partition: {p: {trajectories_per_s, tokens_per_s}}}
@@ -93,7 +93,8 @@ def build_status(state: "DataflowState", now: float) -> dict[str, Any]:
                     "by_partition": dict(by_partition), "list": workers},
         "tasks": {"created": state.tasks.next_id, "queued": len(state.tasks.queued),
                   "leased": len(state.tasks.leased), "done": len(state.tasks.done),
-                  "requeued": state.tasks.requeued, "exhausted": state.tasks.exhausted},
+                  "requeued": state.tasks.requeued, "exhausted": state.tasks.exhausted,
+                  "skipped": state.selection.skipped},
         "policies": policies,
         "throughput": {"per_partition": dict(part_rates)},
         "store": {"active_shard": state.store.active_shard, "quarantined": list(state.store.quarantined),

@@ -88,6 +88,7 @@ def write_summary(run: RunDir, status: dict, started: float, t_components: float
         "dropped_stale": sum(c["dropped_stale"] for c in counts.values()),
         "filtered_zero_advantage": sum(c["filtered"] for c in counts.values()),
         "unused_trainer_done": sum(c["unused"] for c in counts.values()),
+        "skipped_prompts": status["tasks"]["skipped"],  # never generated (prompt selection)
         "samples_per_s": trained / components_s if components_s else None,
         "target_reward": TARGET,
         "policies": policies,

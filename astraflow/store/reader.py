@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
-from astraflow.store.schema import META_COLUMN, READABLE_VERSIONS, ROW_COLUMNS, TOKEN_COLUMNS
+from astraflow.store.schema import META_COLUMN, MISSING_DEFAULTS, READABLE_VERSIONS, ROW_COLUMNS, TOKEN_COLUMNS
 from astraflow.store.writer import list_shards
 
 
@@ -118,7 +118,7 @@ def _column(table: np.ndarray | np.void, name: str) -> np.ndarray:
     """A column of the row table; one an older schema lacks reads as zeros."""
     if name in table.dtype.names:
         return table[name]
-    return np.zeros(table.shape, ROW_COLUMNS[name])
+    return np.full(table.shape, MISSING_DEFAULTS.get(name, 0), ROW_COLUMNS[name])
 
 
 def iter_shards(run_dir: Path) -> Iterator[Path]:

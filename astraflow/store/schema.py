@@ -1,4 +1,5 @@
-"""HDF5 shard layout (schema_version 2; version 1 shards, which lack `guided`, read as all 0).
+"""HDF5 shard layout (schema_version 3). Older shards lack columns, which read as
+`MISSING_DEFAULTS` or 0: version 1 `guided` (0), versions 1-2 `weight` (1).
 
 A shard is flat: per-token arrays of all its trajectories are concatenated, and a
 per-trajectory table `rows` (one compound dataset, a column per field of `ROW_COLUMNS`)
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 TOKEN_COLUMNS: dict[str, np.dtype] = {
     "tokens": np.dtype("<i4"),
@@ -41,6 +42,9 @@ ROW_COLUMNS: dict[str, np.dtype] = {
     # (`workflow.reference_guidance`), or a verdict on an answer the solver did not give
     # (`workflow.verifier_contrast`): trained like any sample, never counted in a generated reward
     "guided": np.dtype("u1"),
+    # the sample's weight in a reward mean over the prompt set: 1 / its prompt's selection
+    # probability (dataflow/selection.py; 1 without prompt selection)
+    "weight": np.dtype("<f4"),
     "gen_s": np.dtype("<f4"),
     "t_commit": np.dtype("<f8"),  # dataflow rank's wall clock when stored
     "version_min": np.dtype("<i4"),  # over this policy's generated tokens
@@ -51,6 +55,7 @@ ROW_COLUMNS: dict[str, np.dtype] = {
 }
 
 ROW_DTYPE = np.dtype(list(ROW_COLUMNS.items()))
+MISSING_DEFAULTS = {"weight": 1.0}  # a column an older shard lacks reads as this, or as 0
 
 META_COLUMN = "meta_bytes"
 

@@ -107,10 +107,14 @@ class TaskSource:
         return self.cfg.max_tasks or None
 
     def item(self, task_id: int) -> Item:
+        return self.train[self.index(task_id)]
+
+    def index(self, task_id: int) -> int:
+        """The training item that task `task_id` hands out."""
         n = len(self.train)
         epoch, i = divmod(task_id, n)
         perm = self._epoch_perm.get(epoch)
         if perm is None:
             perm = np.random.default_rng([self.cfg.seed, 1, epoch]).permutation(n)
             self._epoch_perm = {epoch: perm}  # tasks are drawn in order: keep one epoch
-        return self.train[int(perm[i])]
+        return int(perm[i])

@@ -26,6 +26,7 @@ def rows_for(task_ids: list[int], versions: list[int], rewards: list[float], fir
               "group_id": np.zeros(n, np.int64), "policy": np.zeros(n, np.uint8),
               "worker": np.full(n, b"w0", "S64"), "length": np.full(n, tokens, np.int32),
               "reward": np.array(rewards, np.float32), "guided": np.full(n, guided, np.uint8),
+              "weight": np.ones(n, np.float32),
               "gen_s": np.zeros(n, np.float32),
               "t_commit": np.ones(n), "version_min": np.array(versions, np.int32),
               "version_max": np.array(versions, np.int32), "version_at_commit": np.array(versions, np.int32)},

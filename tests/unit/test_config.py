@@ -59,6 +59,9 @@ def test_choices_are_listed():
     with pytest.raises(ConfigError, match=r"workflow.verifier_contrast: only the solver_verifier workflow has "
                                           r"a verifier .*tasks.workflow is 'rlvr': set it to false"):
         parse_config(BASE_CONFIG, overrides=["workflow.verifier_contrast=true"])
+    with pytest.raises(ConfigError, match=r"selection: expected 0 < explore <= 1 and max_streak >= 1, "
+                                          r"got explore=0.0, max_streak=4"):
+        parse_config(BASE_CONFIG, overrides=["selection.explore=0"])
 
 
 def test_duplicate_policy_rejected():

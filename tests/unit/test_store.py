@@ -29,6 +29,7 @@ def make_batch(first_id: int, n: int, tokens: int = 50, seed: int = 0) -> RowBat
               "group_id": np.zeros(n, np.int64), "policy": (np.arange(n) % 2).astype(np.uint8),
               "worker": np.full(n, b"w1", "S64"), "length": np.full(n, tokens, np.int32),
               "reward": rng.random(n).astype(np.float32), "guided": (np.arange(n) == 2).astype(np.uint8),
+              "weight": np.ones(n, np.float32),
               "gen_s": np.zeros(n, np.float32), "t_commit": np.full(n, 1.0), "version_min": np.zeros(n, np.int32),
               "version_max": np.ones(n, np.int32), "version_at_commit": np.ones(n, np.int32)},
         meta=[json.dumps({"i": first_id + i}).encode() for i in range(n)])
@@ -50,22 +51,24 @@ def test_round_trip(tmp_path, compression):
     assert df["guided"].tolist() == [0, 0, 1, 0] * 2
 
 
-def test_a_schema_1_shard_reads_with_no_guided_records(tmp_path):
-    """Shards written before the `guided` column (schema_version 1) stay readable: the column
-    reads as 0 in the row table and in a single record."""
+def test_a_schema_1_shard_reads_with_no_guided_records_and_weight_1(tmp_path):
+    """Shards written before the `guided` and `weight` columns (schema_version 1) stay readable:
+    they read as 0 and 1 in the row table and in a single record."""
     store = ShardStore(tmp_path, POLICIES, StoreOptions())
     loc = store.append(make_batch(0, 4))[1]
     store.close()
     path = list_shards(tmp_path)[0]
     with h5py.File(path, "r+") as f:  # rewrite it as the old code did
         old = f["rows"][:]
-        names = [n for n in old.dtype.names if n != "guided"]
+        names = [n for n in old.dtype.names if n not in ("guided", "weight")]
         del f["rows"]
         f.create_dataset("rows", data=old[names].astype([(n, old.dtype[n]) for n in names]), maxshape=(None,))
         f.attrs["schema_version"] = 1
     reader = ShardReader(path)
     assert reader.rows(("sample_id", "guided"))["guided"].tolist() == [0, 0, 0, 0]
-    assert reader.trajectory(loc[1])["guided"] == 0 and reader.trajectory(loc[1])["sample_id"] == 1
+    assert reader.rows(("weight",))["weight"].tolist() == [1.0] * 4
+    one = reader.trajectory(loc[1])
+    assert one["guided"] == 0 and one["weight"] == 1.0 and one["sample_id"] == 1
     reader.close()
 
 
