@@ -19,7 +19,6 @@ class Lease:
     deadline: float
     serial: int  # distinguishes this lease from earlier ones of the same task
     versions: dict[str, int] = field(default_factory=dict)
-    weight: float = 1.0  # of its rewards in the generated reward: 1 / the task's selection probability
 
 
 class TaskTable:

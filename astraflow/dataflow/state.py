@@ -76,6 +76,7 @@ class DataflowState:
         self.source = TaskSource(cfg.tasks)
         self.tasks = TaskTable(limit=self.source.limit)
         self.selection = PromptSelection(cfg.selection, cfg.run.seed)
+        self.task_weights: dict[int, float] = {}  # leased task -> its samples' weight (selection.py)
         self.buffers = {p.name: PolicyBuffer(p.name, p.max_staleness, p.buffer_capacity, cfg.trainer_for(p.name).steps)
                         for p in cfg.policies}
         self.workers = WorkerRegistry()
@@ -323,7 +324,8 @@ class DataflowState:
                 # "exhausted": nothing will ever come; "drained": leased tasks may still return
                 reason = "drained" if self.tasks.leased or tasks else "exhausted"
                 break
-            self.tasks.lease(tid, worker.worker_id, now, self.cfg.dataflow.lease_s, req.versions).weight = weight
+            self.tasks.lease(tid, worker.worker_id, now, self.cfg.dataflow.lease_s, req.versions)
+            self.task_weights[tid] = weight  # kept past an expired lease: a late commit still counts so
             item = self.source.item(tid)
             tasks.append(m.Task(tid, self.cfg.dataflow.lease_s, item.prompt, item.answer, group, list(needed)))
         if self.tasks.next_id > self.task_hwm:
@@ -384,8 +386,7 @@ class DataflowState:
         unknown = set(trajs.policy) - set(self.policy_index)
         if unknown:
             raise RequestError("bad_request", f"trajectories.policy: unknown policies {sorted(unknown)}")
-        lease = self.tasks.leased.get(tid)
-        weight = lease.weight if lease is not None else 1.0  # a late commit after its lease expired
+        weight = self.task_weights.get(tid, 1.0)  # 1.0: leased before the rank restarted
         batch, vmin = self._row_batch(req, tid, weight)
         sids = batch.rows["sample_id"]
         rewards = batch.rows["reward"].astype(np.float64)
@@ -409,6 +410,7 @@ class DataflowState:
                                    (trajs, int(j)) if keep else None, tokens=int(lengths[j])),
                         filtered, float(rewards[j]), bool(guided[j]), weight)
         self.selection.observe(self.source.index(tid), uninformative)
+        self.task_weights.pop(tid, None)
         self.tasks.complete(tid)
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
         return m.CommitReply("stored", sids.tolist(), self._latest())

@@ -45,7 +45,8 @@ def test_the_generated_reward_is_weighted_by_selection():
 def test_the_rank_skips_solved_prompts_weights_the_kept_ones_and_rebuilds_streaks_after_a_restart(tmp_path):
     run = make_run(tmp_path, ON + ["selection.explore=0.5", "selection.max_streak=1",
                                    "policies.policy.buffer_capacity=100000"])
-    state = DataflowState(run.path, run.config, clock=Clock())
+    clock = Clock()
+    state = DataflowState(run.path, run.config, clock=clock)
     state.recover()
     w = register(state)
     first = state.handle(m.Lease(w, 2)).tasks
@@ -61,9 +62,11 @@ def test_the_rank_skips_solved_prompts_weights_the_kept_ones_and_rebuilds_streak
     assert prompts.count(taught) == 8 and 1 <= prompts.count(solved) <= 6  # each time with probability 0.5
     assert state.selection.skipped == state.tasks.next_id - len(leased) - 2 == 8 - prompts.count(solved)
     assert state.handle(m.Status()).status["tasks"]["skipped"] == state.selection.skipped
-    weights = {state.source.index(t): lease.weight for t, lease in state.tasks.leased.items()}
+    weights = {state.source.index(t): w for t, w in state.task_weights.items()}
     assert weights[solved] == 2.0 and weights[taught] == 1.0
     again = next(t for t in leased if state.source.index(t) == solved)
+    clock.t += run.config.dataflow.lease_s + 1
+    state.tick()  # every lease expires: `again` comes back as a late commit, with its weight
     state.handle(m.Commit(w, again, group(again, [1, 1, 1, 1])))  # filtered again: a streak of 2
     assert state.buffers["policy"].generated_reward()[0] == pytest.approx((4 + 2 + 2 * 4) / (4 + 4 + 2 * 4))
     state.flush()
