@@ -20,29 +20,46 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Callable
 
 from astraflow.config.schema import SelectionConfig
 
 
 class PromptSelection:
-    def __init__(self, cfg: SelectionConfig, seed: int) -> None:
+    """Switched off (`skip_zero_advantage: false`) it keeps every task at weight 1 and
+    remembers nothing."""
+
+    def __init__(self, cfg: SelectionConfig, seed: int, prompt_of: Callable[[int], int]) -> None:
         self.cfg = cfg
+        self.on = cfg.skip_zero_advantage
+        self.prompt_of = prompt_of  # task id -> prompt index
         self.rng = random.Random(seed)
         self.streak: Counter[int] = Counter()  # prompt index -> zero-advantage groups in a row
+        self.weights: dict[int, float] = {}  # kept task -> 1 / its selection probability, until committed
         self.skipped = 0
 
-    def weight(self, prompt: int) -> float | None:
-        """None: skip this prompt now; else the weight of its rewards (1 / its selection probability)."""
-        if not self.cfg.skip_zero_advantage:
-            return 1.0
-        p = self.cfg.explore ** min(self.streak[prompt], self.cfg.max_streak)
+    def keep(self, task_id: int) -> bool:
+        """Whether to hand this task out now (its weight is remembered) or skip it."""
+        if not self.on:
+            return True
+        p = self.cfg.explore ** min(self.streak[self.prompt_of(task_id)], self.cfg.max_streak)
         if p < 1.0 and self.rng.random() >= p:
             self.skipped += 1
-            return None
-        return 1.0 / p
+            self.weights.pop(task_id, None)  # a handed-back task, kept once before
+            return False
+        self.weights[task_id] = 1.0 / p  # kept past an expired lease: a late commit still counts so
+        return True
 
-    def observe(self, prompt: int, zero_advantage: bool) -> None:
+    def weight(self, task_id: int) -> float:
+        """The weight of a committed task's rewards (1: kept before the rank restarted)."""
+        return self.weights.get(task_id, 1.0)
+
+    def observe(self, task_id: int, zero_advantage: bool) -> None:
         """A committed task: whether every group it produced was filtered."""
+        if not self.on:
+            return
+        self.weights.pop(task_id, None)
+        prompt = self.prompt_of(task_id)
         if zero_advantage:
             self.streak[prompt] += 1
         else:

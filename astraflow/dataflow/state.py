@@ -75,8 +75,7 @@ class DataflowState:
         self.policy_index = {p: i for i, p in enumerate(self.policy_names)}
         self.source = TaskSource(cfg.tasks)
         self.tasks = TaskTable(limit=self.source.limit)
-        self.selection = PromptSelection(cfg.selection, cfg.run.seed)
-        self.task_weights: dict[int, float] = {}  # leased task -> its samples' weight (selection.py)
+        self.selection = PromptSelection(cfg.selection, cfg.run.seed, self.source.index)
         self.buffers = {p.name: PolicyBuffer(p.name, p.max_staleness, p.buffer_capacity, cfg.trainer_for(p.name).steps)
                         for p in cfg.policies}
         self.workers = WorkerRegistry()
@@ -129,7 +128,7 @@ class DataflowState:
                 info.advantage, info.group_mean, info.group_std = float(a), mean, std
                 info.state = FILTERED if filtered else READY
         for tid, zero in uninformative.items():  # in task order, as the tasks were committed (about)
-            self.selection.observe(self.source.index(tid), zero)
+            self.selection.observe(tid, zero)
         high_water = 0
         for ev in replay(self.run_dir / "journal"):
             kind = ev.get("ev")
@@ -319,13 +318,14 @@ class DataflowState:
             if not exempt and not all(self.buffers[p].has_room(inflight) for p in needed):
                 reason = "backpressure"
                 break
-            tid, weight = self._take_selected()
+            tid = self.tasks.take()
+            while tid is not None and not self.selection.keep(tid):  # a skipped id is not handed out
+                tid = self.tasks.take()
             if tid is None:
                 # "exhausted": nothing will ever come; "drained": leased tasks may still return
                 reason = "drained" if self.tasks.leased or tasks else "exhausted"
                 break
             self.tasks.lease(tid, worker.worker_id, now, self.cfg.dataflow.lease_s, req.versions)
-            self.task_weights[tid] = weight  # kept past an expired lease: a late commit still counts so
             item = self.source.item(tid)
             tasks.append(m.Task(tid, self.cfg.dataflow.lease_s, item.prompt, item.answer, group, list(needed)))
         if self.tasks.next_id > self.task_hwm:
@@ -334,17 +334,6 @@ class DataflowState:
         if reason == "backpressure":
             self.counters["lease_backpressure"] += 1
         return m.LeaseReply(tasks, 0.0 if tasks else 0.2, reason)
-
-    def _take_selected(self) -> tuple[int | None, float]:
-        """The next task whose prompt selection keeps, with its reward weight. A skipped task
-        id is never handed out (a restarted rank may offer it again)."""
-        while True:
-            tid = self.tasks.take()
-            if tid is None:
-                return None, 1.0
-            weight = self.selection.weight(self.source.index(tid))
-            if weight is not None:
-                return tid, weight
 
     def _renew(self, req: m.Renew, now: float) -> m.RenewReply:
         self._worker(req.worker_id, now)
@@ -386,7 +375,7 @@ class DataflowState:
         unknown = set(trajs.policy) - set(self.policy_index)
         if unknown:
             raise RequestError("bad_request", f"trajectories.policy: unknown policies {sorted(unknown)}")
-        weight = self.task_weights.get(tid, 1.0)  # 1.0: leased before the rank restarted
+        weight = self.selection.weight(tid)
         batch, vmin = self._row_batch(req, tid, weight)
         sids = batch.rows["sample_id"]
         rewards = batch.rows["reward"].astype(np.float64)
@@ -409,8 +398,7 @@ class DataflowState:
                 buf.add(SampleInfo(int(sids[j]), tid, int(vmin[j]), float(a), mean, std, locs[j],
                                    (trajs, int(j)) if keep else None, tokens=int(lengths[j])),
                         filtered, float(rewards[j]), bool(guided[j]), weight)
-        self.selection.observe(self.source.index(tid), uninformative)
-        self.task_weights.pop(tid, None)
+        self.selection.observe(tid, uninformative)
         self.tasks.complete(tid)
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
         return m.CommitReply("stored", sids.tolist(), self._latest())

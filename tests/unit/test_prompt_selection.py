@@ -16,23 +16,29 @@ from tests.unit.test_dataflow_state import Clock, group, register
 ON = ["selection.skip_zero_advantage=true", "tasks.group_size=4"]
 
 
+def draw(sel: PromptSelection, task: int) -> float | None:
+    """The weight the task is handed out with, or None when it is skipped."""
+    return sel.weight(task) if sel.keep(task) else None
+
+
 def test_a_prompt_is_kept_with_probability_explore_to_its_streak_until_it_teaches_again():
-    sel = PromptSelection(SelectionConfig(skip_zero_advantage=True, explore=0.5, max_streak=2), seed=0)
-    assert all(sel.weight(7) == 1.0 for _ in range(100)) and sel.skipped == 0
+    cfg = SelectionConfig(skip_zero_advantage=True, explore=0.5, max_streak=2)
+    sel = PromptSelection(cfg, seed=0, prompt_of=lambda task: task)  # task i is prompt i
+    assert all(draw(sel, 7) == 1.0 for _ in range(100)) and sel.skipped == 0
     for _ in range(5):  # five filtered groups in a row: the streak counts as max_streak
         sel.observe(7, zero_advantage=True)
-    weights = [sel.weight(7) for _ in range(4000)]
+    weights = [draw(sel, 7) for _ in range(4000)]
     kept = [w for w in weights if w is not None]
     assert 0.22 < len(kept) / 4000 < 0.28 and set(kept) == {4.0}
     assert sel.skipped == 4000 - len(kept)
     sel.observe(7, zero_advantage=False)  # one informative group: always kept again
-    assert all(sel.weight(7) == 1.0 for _ in range(100))
+    assert all(draw(sel, 7) == 1.0 for _ in range(100))
 
 
 def test_selection_off_keeps_every_prompt():
-    sel = PromptSelection(SelectionConfig(), seed=0)
+    sel = PromptSelection(SelectionConfig(), seed=0, prompt_of=lambda task: task)
     sel.observe(3, zero_advantage=True)
-    assert all(sel.weight(3) == 1.0 for _ in range(100)) and sel.skipped == 0
+    assert all(draw(sel, 3) == 1.0 for _ in range(100)) and sel.skipped == 0
 
 
 def test_the_generated_reward_is_weighted_by_selection():
@@ -62,7 +68,7 @@ def test_the_rank_skips_solved_prompts_weights_the_kept_ones_and_rebuilds_streak
     assert prompts.count(taught) == 8 and 1 <= prompts.count(solved) <= 6  # each time with probability 0.5
     assert state.selection.skipped == state.tasks.next_id - len(leased) - 2 == 8 - prompts.count(solved)
     assert state.handle(m.Status()).status["tasks"]["skipped"] == state.selection.skipped
-    weights = {state.source.index(t): w for t, w in state.task_weights.items()}
+    weights = {state.source.index(t): w for t, w in state.selection.weights.items()}
     assert weights[solved] == 2.0 and weights[taught] == 1.0
     again = next(t for t in leased if state.source.index(t) == solved)
     clock.t += run.config.dataflow.lease_s + 1
