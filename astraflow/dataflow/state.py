@@ -96,7 +96,7 @@ class DataflowState:
             m.Renew: self._renew, m.Commit: self._commit, m.Release: self._release,
             m.Weights: self._weights, m.Ready: self._ready, m.Batch: self._batch,
             m.Consumed: self._consumed, m.Published: self._published, m.Status: self._status,
-            m.Drain: self._drain,
+            m.Stopped: self._stopped, m.Drain: self._drain,
         }
         self.draining: set[str] = set()  # worker base ids being retired (not journalled: a
         # restarted rank forgets them and the launcher, which cancels their jobs anyway, re-sends)
@@ -508,6 +508,12 @@ class DataflowState:
         self.buffers[req.policy].trainer_version = req.version
         self.journal.append("published", policy=req.policy, version=req.version, uri=req.uri,
                             pinned=req.pinned, time=time.time())
+        return m.Ok()
+
+    def _stopped(self, req: m.Stopped, now: float) -> m.Ok:
+        self._check_policies([req.policy])
+        self.trainers.setdefault(req.policy, {})["stopped_step"] = req.step  # until its next `Ready`
+        self.journal.append("stopped", policy=req.policy, step=req.step, time=time.time())
         return m.Ok()
 
     def _drain(self, req: m.Drain, now: float) -> m.Ok:

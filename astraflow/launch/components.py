@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from astraflow.config.rundir import RunDir
 from astraflow.launch.supervisor import Component, GroupGeneration
@@ -71,13 +72,29 @@ def dataflow_status(run: RunDir, timeout_s: float = 10.0) -> dict:
 def wait_workers_left(run: RunDir, timeout_s: float = 10.0) -> None:
     """Give the rollout workers, told to leave (end marker, withdrawn invitation, SIGTERM), a
     moment to hand their leases back to the rank before it stops."""
+    _wait_status(run, lambda status: status["workers"]["alive"] == 0, timeout_s)
+
+
+def wait_trainers_stopped(run: RunDir, timeout_s: float) -> None:
+    """After a stop signal: give each trainer that has said `Ready` the time to finish its step
+    (the rank acknowledges it), checkpoint and say `Stopped` before the rank stops."""
+    _wait_status(run, lambda status: trainers_stopped(run, status), timeout_s)
+
+
+def trainers_stopped(run: RunDir, status: dict) -> bool:
+    """Every policy's trainer stopped (`Stopped`), done, or never ready in this rank's life."""
+    trainers = {p: status["policies"][p]["trainer"] for p in run.config.policy_names}
+    return all(t is None or "stopped_step" in t or _trainer_done(run, status, p) for p, t in trainers.items())
+
+
+def _wait_status(run: RunDir, ok: Callable[[dict], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if dataflow_status(run, timeout_s=2.0)["workers"]["alive"] == 0:
+            if ok(dataflow_status(run, timeout_s=2.0)):
                 return
         except TimeoutError:
-            return  # the rank is gone: nobody to hand leases back to
+            return  # the rank is gone: nobody left to tell
         time.sleep(0.1)
 
 
@@ -95,8 +112,11 @@ def dismiss_standby(run: RunDir, ident: str) -> None:
 
 
 def trainers_done(run: RunDir, status: dict) -> bool:
-    cfg = run.config
-    return all(status["policies"][p]["trainer_step"] >= cfg.trainer_for(p).steps for p in cfg.policy_names)
+    return all(_trainer_done(run, status, p) for p in run.config.policy_names)
+
+
+def _trainer_done(run: RunDir, status: dict, policy: str) -> bool:
+    return status["policies"][policy]["trainer_step"] >= run.config.trainer_for(policy).steps
 
 
 def finished_marker(run_path: Path) -> Path:

@@ -1,7 +1,7 @@
 """The control-plane contracts: every request and reply that crosses a process boundary.
 
 Rollout worker <-> dataflow: Register, Heartbeat, Lease, Renew, Commit, Release, Weights.
-Trainer <-> dataflow: Ready, Batch, Consumed, Published.
+Trainer <-> dataflow: Ready, Batch, Consumed, Published, Stopped.
 Anyone: Status.
 
 Invariants:
@@ -24,7 +24,7 @@ import numpy as np
 
 from astraflow.protocol.wire import array_field
 
-PROTOCOL_VERSION = 2  # 2: lease and commit replies carry `latest`
+PROTOCOL_VERSION = 3  # 2: lease and commit replies carry `latest`; 3: `Stopped`
 
 
 @dataclass(frozen=True)
@@ -226,6 +226,15 @@ class Published:
 
 
 @dataclass(frozen=True)
+class Stopped:
+    """A trainer group stopped on a signal with `step` checkpointed (sent by its rank 0). On
+    Slurm's warning the dataflow task keeps the rank serving until every trainer has said so:
+    a trainer in the middle of a step needs the rank to acknowledge it before checkpointing."""
+    policy: str
+    step: int
+
+
+@dataclass(frozen=True)
 class Status:
     pass
 
@@ -325,7 +334,7 @@ class StatusReply:
 REQUESTS: dict[str, type] = {
     cls.__name__.lower(): cls
     for cls in (Register, Heartbeat, Lease, Renew, Commit, Release, Weights,
-                Ready, Batch, Consumed, Published, Status, Drain)
+                Ready, Batch, Consumed, Published, Stopped, Status, Drain)
 }
 REPLIES: dict[str, type] = {
     cls.__name__.lower(): cls

@@ -120,6 +120,9 @@ class Node:
                 components.dismiss_standby(run, ident)
                 if self.watch.signal == signal.SIGUSR1:  # a warning: let the others leave first
                     components.wait_workers_left(run)
+                    # a trainer mid-step needs the rank to acknowledge it before it checkpoints
+                    # (stopped 11 ms after the warning, a run lost its stop checkpoint)
+                    components.wait_trainers_stopped(run, STOP_TIMEOUT_S)
                 return EXIT_STOPPED
         finally:
             if controller is not None:

@@ -48,6 +48,7 @@ from astraflow.weights.fs import publish, verify, version_dir
 log = logging.getLogger(__name__)
 
 BATCH_TIMEOUT_S = 30.0
+STOPPED_TIMEOUT_S = 5.0  # how long a stopping trainer tries to tell the rank
 STOP_POLL_S = 0.5  # how often a trainer waiting for a batch looks at its stop flag
 
 
@@ -152,7 +153,16 @@ class TorchTrainer:
         if self.stop and self.rank == 0:
             save_checkpoint(self.ckpt_dir, self.model, self.optim, self.step)
             log.info("stopped by a signal: checkpointed step %d", self.step)
+            self.say_stopped()
         self.client.close()
+
+    def say_stopped(self) -> None:
+        """Tell the rank (once, briefly: it may be gone already) that this group has stopped;
+        on Slurm's warning its supervisor waits for that before it stops the rank."""
+        try:
+            self.client.call(m.Stopped(self.policy, self.step), timeout_s=STOPPED_TIMEOUT_S)
+        except (TimeoutError, RemoteError) as e:
+            log.warning("could not tell the dataflow rank that this trainer stopped: %s", e)
 
     def record(self, row: dict) -> None:
         """One CSV line and TensorBoard scalars per step (rank 0 only)."""

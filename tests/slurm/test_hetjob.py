@@ -175,6 +175,7 @@ def test_preemption_warning_then_requeue_resumes_the_run(tmp_path: Path, cancel_
     warned_at = checkpoints[-1]
     assert warned_at >= 12 and warned_at % 50 != 0, f"no checkpoint at the warning: {checkpoints}"
     assert events(run_dir, "leave"), "the worker did not hand back its leases on the warning"
+    assert [e["step"] for e in events(run_dir, "stopped")] == [warned_at], "the rank stopped before the trainer"
 
     # the scheduler requeues it (a preemption); the same job id, so the same run directory
     subprocess.run(["scontrol", "requeue", job], check=True)

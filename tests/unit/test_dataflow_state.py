@@ -6,6 +6,7 @@ import pytest
 
 from astraflow.bench.payload import random_trajectory
 from astraflow.dataflow.state import DataflowState
+from astraflow.launch import components
 from astraflow.protocol import messages as m
 from astraflow.store.reader import load_rows
 from tests.conftest import make_run
@@ -287,3 +288,17 @@ def test_lease_and_commit_replies_name_the_newest_weights(env):
     assert state.handle(m.Commit(w, task.task_id, group(task.task_id, [0, 1, 0, 1]))).latest == {"policy": 3}
     state.handle(m.Published("policy", 4, "file:///nowhere/v4", []))
     assert state.handle(m.Lease(w, 1, {"policy": 3})).latest == {"policy": 4}
+
+
+def test_a_stopped_trainer_is_shown_until_it_is_ready_again(env):
+    run, state, clock = env
+    status = lambda: state.handle(m.Status()).status  # noqa: E731
+    assert components.trainers_stopped(run, status())  # never ready: nothing to wait for
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+    assert not components.trainers_stopped(run, status())  # ready: the launcher waits for it
+    assert state.handle(m.Stopped("policy", 7)) == m.Ok()
+    assert status()["policies"]["policy"]["trainer"]["stopped_step"] == 7
+    assert components.trainers_stopped(run, status())
+    assert state.handle(m.Stopped("nobody", 7)).code == "bad_request"
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 7))  # its requeued successor
+    assert not components.trainers_stopped(run, status())
