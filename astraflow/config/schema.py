@@ -104,6 +104,9 @@ class PolicyConfig:
     name: str
     max_staleness: int = runtime(2)  # max version lag at lease and at consumption
     buffer_capacity: int = runtime(4096)  # samples buffered before leases pause
+    # Which ready samples a batch takes first: "oldest" (FIFO) or "newest" (the last stored;
+    # stale ones are dropped from the other end), so that a standing queue ages nothing served
+    serve_order: str = runtime("oldest", choices=("oldest", "newest"))
     filter_zero_advantage: bool = runtime(True)
     # GRPO divides a group's advantages by its reward std; false: mean baseline only
     # (Dr. GRPO), so the scale of rewards across groups counts (a verifier's class weights)

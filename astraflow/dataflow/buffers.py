@@ -15,6 +15,11 @@ Served is not trained: `served[step]` is what a batch request for that step was 
 that was consumed before is a replay after a trainer restart and gets the same samples; one
 for a step that was served but not consumed gets the same samples too (a retried request).
 `ready(resume_step)` returns every served-but-unconsumed sample to the front of the buffer.
+
+Batches take the oldest ready samples first (FIFO), or the newest (`serve_order: newest`):
+where the trainer is the limit a standing queue forms, and FIFO serves every sample after it
+has aged through that queue, at the staleness bound; newest-first serves the fresh ones and
+drops the queue's old end as it goes stale.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class PolicyBuffer:
     max_staleness: int
     capacity: int
     steps: int = 0  # the trainer's planned steps; 0: not known (never finished)
+    newest_first: bool = False  # serve the last stored first (`serve_order: newest`)
     samples: dict[int, SampleInfo] = field(default_factory=dict)
     ready: deque[int] = field(default_factory=deque)
     served: dict[int, list[int]] = field(default_factory=dict)
@@ -110,27 +116,43 @@ class PolicyBuffer:
         return self.finished or len(self.ready) + expected <= self.capacity
 
     def take(self, step: int, n: int, trainer_version: int) -> list[int] | None:
-        """Fresh samples for a new step, or None if fewer than n are ready (caller waits)."""
+        """Fresh samples for a new step, or None if fewer than n are ready (caller waits).
+        Oldest first, or newest first: then the old end, where stale samples collect, is
+        cleared first (else they would hold the buffer's room until it filled)."""
         floor = trainer_version - self.max_staleness
+        if self.newest_first:
+            while self.ready and self._dropped_if_stale(self.ready[0], floor):
+                self.ready.popleft()
+        pop = self.ready.pop if self.newest_first else self.ready.popleft
         picked: list[int] = []
         while self.ready and len(picked) < n:
-            sid = self.ready.popleft()
-            info = self.samples[sid]
-            if info.state != READY:
-                continue
-            if info.version_min < floor:
-                self._release(info, DROPPED)
-                self.counts["dropped_stale"] += 1
-                continue
-            picked.append(sid)
+            sid = pop()
+            if not self._dropped_if_stale(sid, floor):
+                picked.append(sid)
         if len(picked) < n:
-            self.ready.extendleft(reversed(picked))
+            for sid in reversed(picked):
+                self._put_first(sid)
             return None
         for sid in picked:
             self.samples[sid].state = SERVED
         self.served[step] = picked
         self.counts["served"] += len(picked)
         return picked
+
+    def _dropped_if_stale(self, sid: int, floor: int) -> bool:
+        """Drop a ready sample older than `floor`; True if it is not (or no longer) ready."""
+        info = self.samples[sid]
+        if info.state == READY and info.version_min < floor:
+            self._release(info, DROPPED)
+            self.counts["dropped_stale"] += 1
+        return info.state != READY
+
+    def _put_first(self, sid: int) -> None:
+        """Back to the end that `take` serves from next."""
+        if self.newest_first:
+            self.ready.append(sid)
+        else:
+            self.ready.appendleft(sid)
 
     def consume(self, step: int, ids: list[int]) -> str | None:
         """Record a trainer step's acknowledgement; returns an error text if it does not fit."""
@@ -162,7 +184,7 @@ class PolicyBuffer:
                 info = self.samples[sid]
                 if info.state == SERVED:
                     info.state = READY
-                    self.ready.appendleft(sid)
+                    self._put_first(sid)
         self.served.clear()
         self.trainer_step = resume_step
         return sorted(s for s in self.consumed if s > resume_step)

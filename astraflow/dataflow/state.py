@@ -76,7 +76,8 @@ class DataflowState:
         self.source = TaskSource(cfg.tasks)
         self.tasks = TaskTable(limit=self.source.limit)
         self.selection = PromptSelection(cfg.selection, cfg.run.seed, self.source.index)
-        self.buffers = {p.name: PolicyBuffer(p.name, p.max_staleness, p.buffer_capacity, cfg.trainer_for(p.name).steps)
+        self.buffers = {p.name: PolicyBuffer(p.name, p.max_staleness, p.buffer_capacity, cfg.trainer_for(p.name).steps,
+                                              newest_first=p.serve_order == "newest")
                         for p in cfg.policies}
         self.workers = WorkerRegistry()
         self.weights = WeightRegistry(self.run_dir / "weights", {p.name: p.keep_versions for p in cfg.policies})

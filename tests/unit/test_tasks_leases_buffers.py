@@ -65,8 +65,8 @@ def test_task_limit_exhausts():
     assert not t.exhausted and t.take() == 0 and t.exhausted
 
 
-def _buffer(n: int, versions: list[int] | None = None, staleness: int = 1) -> PolicyBuffer:
-    buf = PolicyBuffer("p", max_staleness=staleness, capacity=100)
+def _buffer(n: int, versions: list[int] | None = None, staleness: int = 1, newest_first: bool = False) -> PolicyBuffer:
+    buf = PolicyBuffer("p", max_staleness=staleness, capacity=100, newest_first=newest_first)
     for i in range(n):
         buf.add(SampleInfo(i, i // 2, (versions or [0] * n)[i], 0.0, 0.0, 1.0, (0, i), payload=object()), False, 0.0)
     return buf
@@ -77,6 +77,20 @@ def test_take_waits_for_a_full_batch_and_drops_stale_samples():
     assert buf.take(step=1, n=5, trainer_version=3) is None  # 0,0 are stale: only 4 fresh
     assert buf.counts["dropped_stale"] == 2 and buf.samples[0].state == DROPPED
     assert buf.buffered == 4 and buf.take(1, 4, 3) == [2, 3, 4, 5]
+
+
+def test_newest_first_serves_the_last_stored_and_clears_the_stale_old_end():
+    buf = _buffer(8, versions=[0, 0, 2, 0, 2, 2, 3, 3], staleness=1, newest_first=True)
+    assert buf.take(step=1, n=3, trainer_version=3) == [7, 6, 5]
+    # the old end is cleared up to the first fresh sample; the stale one behind it stays
+    assert buf.counts["dropped_stale"] == 2 and list(buf.ready) == [2, 3, 4]
+    assert buf.take(2, 3, 3) is None  # 3 is stale too: two fresh ones, kept in their order
+    assert list(buf.ready) == [2, 4] and buf.counts["dropped_stale"] == 3
+    buf.add(SampleInfo(8, 4, 3, 0.0, 0.0, 1.0, (0, 8), payload=object()), False, 0.0)
+    assert buf.take(2, 3, 3) == [8, 4, 2]
+    # a restarted trainer gets the served samples next, in the order they were served
+    assert buf.trainer_restarted(resume_step=0) == []
+    assert buf.take(1, 3, 3) == [7, 6, 5] and buf.take(2, 3, 3) == [8, 4, 2]
 
 
 def test_consume_checks_what_was_served_and_restart_replays():
