@@ -1,10 +1,18 @@
 """Reading a trainer's per-step metrics (`RUN_DIR/metrics/<policy>.csv`), shared by the
 progress line, the run summary and the plot. Only complete lines are returned: the trainer
-may be writing the last one while it is read."""
+may be writing the last one while it is read.
+
+A row's `reward_mean` is the mean over the `generated` samples that arrived since the trainer's
+previous step, anywhere from one group (a step served from the buffer's surplus) to several
+batches; means over steps therefore weigh each step by that count (`generated_reward`)."""
 from __future__ import annotations
 
 import csv
 from pathlib import Path
+
+import numpy as np
+
+SMOOTH_STEPS = 5
 
 
 def read_metrics(run_dir: str | Path, policy: str) -> list[dict[str, float]]:
@@ -21,3 +29,19 @@ def read_metrics(run_dir: str | Path, policy: str) -> list[dict[str, float]]:
         except (TypeError, ValueError):  # a line cut short
             continue
     return out
+
+
+def generated_reward(rows: list[dict[str, float]]) -> float:
+    """Mean reward of everything generated over these steps (NaN if nothing was)."""
+    count = np.array([r["generated"] for r in rows])
+    return float(np.nan_to_num([r["reward_mean"] for r in rows]) @ count / count.sum()) if count.sum() else float("nan")
+
+
+def generated_reward_smoothed(rows: list[dict[str, float]], steps: int = SMOOTH_STEPS) -> np.ndarray:
+    """Per step, the mean reward of the samples generated over the last `steps` steps (NaN
+    until something was)."""
+    count = np.array([r["generated"] for r in rows])
+    reward = np.nan_to_num([r["reward_mean"] for r in rows]) * count
+    kernel = np.ones(steps)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.convolve(reward, kernel)[:len(rows)] / np.convolve(count, kernel)[:len(rows)]

@@ -2,7 +2,10 @@
 
 Per policy: the reward of everything generated (what the policy achieves) and of the trained
 batches, against wall-clock seconds since the first step, with the held-out accuracy of the
-starting and final weights (from `eval.json`) as horizontal markers.
+starting and final weights (from `eval.json`) as horizontal markers. The generated reward is
+drawn as a moving average over `SMOOTH_STEPS` steps weighted by each step's sample count: a
+step served from the buffer's surplus may have seen a single new group, and its own mean
+(drawn faintly) swings from 0 to 1.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from astraflow.analysis.metrics import read_metrics
+from astraflow.analysis.metrics import SMOOTH_STEPS, generated_reward_smoothed, read_metrics
 
 
 def plot_run(run_dir: str | Path, out: str | Path) -> Path:
@@ -27,7 +30,9 @@ def plot_run(run_dir: str | Path, out: str | Path) -> Path:
         if not rows:
             continue
         t = [r["time"] - rows[0]["time"] for r in rows]
-        ax.plot(t, [r["reward_mean"] for r in rows], label=f"{path.stem}: reward (generated)")
+        line, = ax.plot(t, generated_reward_smoothed(rows),
+                        label=f"{path.stem}: reward (generated, {SMOOTH_STEPS}-step mean)")
+        ax.plot(t, [r["reward_mean"] for r in rows], lw=0.5, alpha=0.3, c=line.get_color())
         ax.plot(t, [r["reward_trained"] for r in rows], alpha=0.4, label=f"{path.stem}: reward (trained batch)")
     evals = run_dir / "eval.json"
     if evals.exists():

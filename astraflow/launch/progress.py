@@ -1,4 +1,5 @@
-"""The live progress line of `astraflow run`: step, reward, tokens/s, staleness per policy.
+"""The live progress line of `astraflow run`: step, reward (of the samples generated over the
+last few steps), tokens/s, staleness per policy.
 
 Reads the trainers' metrics CSVs (the launcher never talks to trainers directly)."""
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from astraflow.analysis.metrics import read_metrics
+from astraflow.analysis.metrics import SMOOTH_STEPS, generated_reward, read_metrics
 from astraflow.config.rundir import RunDir
 
 
@@ -30,7 +31,8 @@ class Progress:
             row = rows[-1]
             step, total = int(row["step"]), self.run.config.trainer_for(p).steps
             tok_s = row["tokens"] / max(1e-9, row["wait_s"] + row["train_s"])
-            parts.append(f"{p}: step {step}/{total} reward {row['reward_mean']:.2f} "
+            reward = generated_reward(rows[-SMOOTH_STEPS:])
+            parts.append(f"{p}: step {step}/{total} reward {reward:.2f} "
                          f"{tok_s / 1e3:.1f}k tok/s lag {row['version_lag']:.1f}")
         line = f"[{now - self.t0:5.0f}s] " + " | ".join(parts)
         if self.quiet:

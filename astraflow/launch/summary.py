@@ -1,8 +1,8 @@
 """`RUN_DIR/summary.json`: what a run achieved, from its own data.
 
-reward_first / reward_last: mean training reward over the first / last 10% of steps;
-time_to_target_s / samples_to_target: the first moment the moving average (5 steps) of the
-training reward reaches `TARGET`; samples_per_s: completions trained on per second of the
+reward_first / reward_last: mean reward of everything generated during the first / last 10%
+of steps (filtered groups included); time_to_target_s / samples_to_target: the first step at
+which that reward over the last 5 steps' samples reaches `TARGET` (`analysis/metrics.py`); samples_per_s: completions trained on per second of the
 components' wall time (`components_s`: from their start, together with the model's
 preparation, to their stop); eval_accuracy: greedy accuracy of the last published weights on the
 held-out prompts (eval_accuracy_base: the same for the starting weights); wall_s: from the
@@ -17,29 +17,21 @@ import time
 
 import numpy as np
 
-from astraflow.analysis.metrics import read_metrics
+from astraflow.analysis.metrics import generated_reward, generated_reward_smoothed, read_metrics
 from astraflow.config.rundir import RunDir
 
 TARGET = 0.8
-WINDOW = 5
 
 
 def policy_summary(rows: list[dict], t_start: float, target: float = TARGET) -> dict:
     if not rows:
         return {"steps": 0}
-    # reward of everything generated (filtered groups included); the rank carries it over a
-    # step that saw no new samples, metrics written before it did have NaN there
-    rewards = np.array([r["reward_mean"] for r in rows])
-    for i in range(len(rewards)):
-        if np.isnan(rewards[i]):
-            rewards[i] = rewards[i - 1] if i else 0.0
     k = max(1, len(rows) // 10)
     samples = np.cumsum([r["samples"] for r in rows])
-    moving = np.convolve(rewards, np.ones(WINDOW) / WINDOW, mode="valid") if len(rows) >= WINDOW else rewards[-1:]
-    hit = np.flatnonzero(moving >= target)
-    first = int(hit[0]) + (WINDOW - 1 if len(rows) >= WINDOW else len(rows) - 1) if len(hit) else None
-    return {"steps": int(rows[-1]["step"]), "reward_first": float(rewards[:k].mean()),
-            "reward_last": float(rewards[-k:].mean()),
+    hit = np.flatnonzero(generated_reward_smoothed(rows) >= target)
+    first = int(hit[0]) if len(hit) else None
+    return {"steps": int(rows[-1]["step"]), "reward_first": generated_reward(rows[:k]),
+            "reward_last": generated_reward(rows[-k:]),
             "time_to_target_s": rows[first]["time"] - t_start if first is not None else None,
             "samples_to_target": int(samples[first]) if first is not None else None,
             "completion_len": float(np.mean([r["completion_len"] for r in rows])),
