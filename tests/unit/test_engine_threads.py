@@ -24,6 +24,13 @@ print(json.dumps({"batch_thread": seen[0]}))
 """
 
 
+def clean_env() -> dict[str, str]:
+    """This process's environment without an OpenMP thread count, and without the libgomp that
+    an earlier test's vLLM import preloads for child processes (a preloaded OpenMP reads its
+    thread count before `import_library` can set it)."""
+    return {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LD_PRELOAD")}
+
+
 def run(threads: int, env: dict[str, str]) -> int:
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(threads)], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
@@ -31,11 +38,9 @@ def run(threads: int, env: dict[str, str]) -> int:
 
 
 def test_batch_threads_run_the_configured_openmp_threads() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     # without it a thread that did not build the engine gets torch's default, one per core
-    assert run(1, env) == 1
+    assert run(1, clean_env()) == 1
 
 
 def test_the_environment_overrides_the_config() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    assert run(1, {**env, "OMP_NUM_THREADS": "2"}) == min(2, os.cpu_count() or 1)  # torch caps at the cores
+    assert run(1, {**clean_env(), "OMP_NUM_THREADS": "2"}) == min(2, os.cpu_count() or 1)  # torch caps at the cores
