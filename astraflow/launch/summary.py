@@ -2,11 +2,12 @@
 
 reward_first / reward_last: mean reward of everything generated during the first / last 10%
 of steps (filtered groups included); time_to_target_s / samples_to_target: the first step at
-which that reward over the last 5 steps' samples reaches `TARGET` (`analysis/metrics.py`); samples_per_s: completions trained on per second of the
-components' wall time (`components_s`: from their start, together with the model's
-preparation, to their stop); eval_accuracy: greedy accuracy of the last published weights on the
-held-out prompts (eval_accuracy_base: the same for the starting weights); wall_s: from the
-start of the run (model build and warm-up included) to the end of that evaluation.
+which that reward over the last 5 steps' samples reaches `TARGET` (`analysis/metrics.py`);
+samples_per_s: completions trained on per second of the components' wall time
+(`components_s`: from their start, together with the model's preparation, to their stop);
+eval_accuracy: greedy accuracy of the last published weights on the held-out prompts
+(eval_accuracy_base: the same for the starting weights); wall_s: from the start of the run
+(model build and warm-up included) to the end of that evaluation.
 """
 from __future__ import annotations
 
