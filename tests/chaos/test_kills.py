@@ -26,8 +26,11 @@ def test_sigkill_worker_trainer_and_dataflow_rank_twice_each(tmp_path):
     rng = random.Random(seed)
     victims = ["rollout", "train", "dataflow"] * 2
     rng.shuffle(victims)
-    steps = 50  # room for six kills 1-3 steps apart however fast the run goes; the last
-    # kill waits for a step short of the end (a wait for step 31 of 30 once failed the test)
+    # room for six kills 1-3 steps apart however fast the run goes; the last kill waits for
+    # a step short of the end (a wait for step 31 of 30 once failed the test). A restarted
+    # trainer catches up at 10-20 steps/s on what was buffered meanwhile: at 50 steps one run
+    # was at step 49 by its sixth kill and ended before it, its workers already stopped
+    steps = 150
     proc, run_dir = start(tmp_path, steps=steps)
     killed = []
     try:
