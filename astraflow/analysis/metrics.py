@@ -31,17 +31,22 @@ def read_metrics(run_dir: str | Path, policy: str) -> list[dict[str, float]]:
     return out
 
 
+def _weighted_rewards(rows: list[dict[str, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per step: reward times sample count, and the count (a carried-over NaN weighs nothing)."""
+    count = np.array([r["generated"] for r in rows], dtype=float)
+    return np.nan_to_num([r["reward_mean"] for r in rows]) * count, count
+
+
 def generated_reward(rows: list[dict[str, float]]) -> float:
     """Mean reward of everything generated over these steps (NaN if nothing was)."""
-    count = np.array([r["generated"] for r in rows])
-    return float(np.nan_to_num([r["reward_mean"] for r in rows]) @ count / count.sum()) if count.sum() else float("nan")
+    reward, count = _weighted_rewards(rows)
+    return float(reward.sum() / count.sum()) if count.sum() else float("nan")
 
 
 def generated_reward_smoothed(rows: list[dict[str, float]], steps: int = SMOOTH_STEPS) -> np.ndarray:
     """Per step, the mean reward of the samples generated over the last `steps` steps (NaN
     until something was)."""
-    count = np.array([r["generated"] for r in rows])
-    reward = np.nan_to_num([r["reward_mean"] for r in rows]) * count
+    reward, count = _weighted_rewards(rows)
     kernel = np.ones(steps)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.convolve(reward, kernel)[:len(rows)] / np.convolve(count, kernel)[:len(rows)]
