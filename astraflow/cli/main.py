@@ -68,7 +68,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _make_model(args: argparse.Namespace) -> int:
     from astraflow.models.factory import make_model
 
-    print(make_model(args.arch, args.size, args.out_dir, seed=args.seed))
+    print(make_model(args.like, args.size, args.out_dir, seed=args.seed, tokenizer=args.tokenizer, tied=args.tied))
     return 0
 
 
@@ -80,6 +80,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from astraflow.config.rundir import RunDir
     from astraflow.heap import long_lived
     from astraflow.models import base_model_dir, policy_model_dir
+    from astraflow.models.directory import check_model_dir
     from astraflow.tasks.sources import TaskSource
 
     with long_lived():  # torch and transformers
@@ -89,12 +90,14 @@ def _prepare(args: argparse.Namespace) -> int:
     run = RunDir.open(args.run_dir)
     cfg = run.config
     base = base_model_dir(run.path, cfg.model.path)
-    if not (base / "config.json").exists():
-        source = TaskSource(cfg.tasks)
-        corpus = [i.prompt + i.answer for i in source.train + source.heldout + source.warmup]
+    if cfg.model.path:  # a configured model is used as it is: never built in place of a missing one
+        check_model_dir(base)
+    elif not (base / "config.json").exists():
+        m = cfg.model
         tmp = run.path / "model.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        make_model(cfg.model.arch, cfg.model.size, tmp, seed=cfg.model.seed, corpus=corpus)
+        make_model(m.like, m.size, tmp, seed=m.seed, corpus=TaskSource(cfg.tasks).corpus(), tokenizer=m.tokenizer,
+                   tied=m.tied)
         tmp.rename(base)
     for policy in cfg.policies:
         target = policy_model_dir(run.path, cfg, policy.name)
@@ -138,7 +141,7 @@ def _train(args: argparse.Namespace) -> int:
     from astraflow.launch.supervisor import EXIT_STOPPED
 
     with long_lived():  # torch and transformers
-        from astraflow.trainer.torch_backend import run_trainer
+        from astraflow.trainer.loop import run_trainer
 
     _exit_now(0 if run_trainer(args.run_dir, args.policy) else EXIT_STOPPED)
 
@@ -285,10 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_status)
 
-    p = sub.add_parser("make-model", help="write a tiny real HF model with a locally trained tokenizer")
+    p = sub.add_parser("make-model", help="write a random-init HF model directory of a family, with a tokenizer "
+                                          "trained locally (no downloads)")
     p.add_argument("out_dir")
-    p.add_argument("--arch", default="qwen2", choices=("qwen2", "llama"))
-    p.add_argument("--size", default="tiny", choices=("tiny", "small"))
+    p.add_argument("--like", default="qwen2.5", choices=("qwen2.5", "llama3", "qwen2", "llama"),
+                   help="the family whose config fields, special tokens and chat template to use")
+    p.add_argument("--size", default="tiny", help="tiny, small; the real shapes 0.5b, 1.5b (qwen2.5), 1b (llama3)")
+    p.add_argument("--tokenizer", default="", choices=("", "bpe", "char"), help="default: the family's")
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                   help="tie input and output embeddings (default: as the family at that size)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_make_model)
 

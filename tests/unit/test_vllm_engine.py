@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from astraflow.models.factory import make_model
+from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.weights.fs import WEIGHTS, path_of, publish
 from tests.conftest import require
@@ -29,7 +30,7 @@ def tied_copy(model_dir, out_dir):
     model.config.tie_word_embeddings = True
     model.lm_head.weight = model.model.embed_tokens.weight
     model.save_pretrained(out_dir)
-    for name in ("tokenizer.json", "generation_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (out_dir / name).write_bytes((model_dir / name).read_bytes())
     return out_dir
 
@@ -40,14 +41,16 @@ def check_engine(model_dir, weights_root) -> None:
     engine = VLLMEngine(model_dir, seed=0)
     assert engine.swap_in_place  # CPU, engine core in this process: the fast path is the one tested
     trainer_model = AutoModelForCausalLM.from_pretrained(model_dir)
-    prompts = [engine.codec.encode_prompt(f"{i}+{i + 3}=") for i in range(8)]
-    forced = tuple(engine.codec.encode_completion("19"))
+    tok = ModelTokenizer(model_dir)
+    prompts = [tok.encode_prompt(f"{i}+{i + 3}=") for i in range(8)]
+    forced = tuple(tok.encode_completion("19"))
 
     def check(temperature: float, version: int) -> None:
         async def go():
-            return await asyncio.gather(*(engine.generate(p, SamplingParams(6, temperature))
+            return await asyncio.gather(*(engine.generate(p, SamplingParams(6, temperature, tok.stop_ids))
                                           for p in prompts + [prompts[0]] * GROUP),
-                                        engine.generate(prompts[0], SamplingParams(6, temperature, forced=forced)))
+                                        engine.generate(prompts[0], SamplingParams(6, temperature, tok.stop_ids,
+                                                                                   forced=forced)))
 
         *outs, scored = asyncio.run(go())
         assert len(outs) == len(prompts) + GROUP
