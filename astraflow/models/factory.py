@@ -78,7 +78,7 @@ def make_model(like: str, size: str, out_dir: str | Path, seed: int = 0, corpus:
     tok = train_tokenizer(family, kind, list(corpus or []))
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in family.specials}
-    _write_tokenizer_config(out, family, ids)
+    _write_tokenizer_config(out, family, ids, kind)
     shape = family.shapes[size]
     tie = tied if tied is not None else shape.tied if shape.tied is not None else family.tied
     eos = [ids[t] for t in family.eos]
@@ -97,9 +97,11 @@ def make_model(like: str, size: str, out_dir: str | Path, seed: int = 0, corpus:
     return out
 
 
-def _write_tokenizer_config(out: Path, family: Family, ids: dict[str, int]) -> None:
+def _write_tokenizer_config(out: Path, family: Family, ids: dict[str, int], kind: str) -> None:
     config = {
-        "tokenizer_class": family.tokenizer_class,
+        # a character tokenizer loads only as itself: transformers would put the family's
+        # class in its place and rewrite its pre-tokenizer (spaces lost)
+        "tokenizer_class": "PreTrainedTokenizerFast" if kind == "char" else family.tokenizer_class,
         "bos_token": family.bos, "eos_token": family.eos[0],
         "added_tokens_decoder": {str(i): {"content": t, "special": True, "normalized": False, "lstrip": False,
                                           "rstrip": False, "single_word": False} for t, i in ids.items()},

@@ -26,14 +26,15 @@ if TYPE_CHECKING:
     from astraflow.tasks.sources import Item
 
 BATCH_ROWS = 8192  # rows validated per Arrow batch
+MISSING = object()
 
 
 def _key(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def _bad(where: str, field: str, expected: str, value: Any = None) -> ConfigError:
-    got = "missing" if value is None else f"got {type(value).__name__} {json.dumps(value, default=str)[:60]}"
+def _bad(where: str, field: str, expected: str, value: Any) -> ConfigError:
+    got = "missing" if value is MISSING else f"got {type(value).__name__} {json.dumps(value, default=str)[:60]}"
     return ConfigError(f"{where}: field {field!r}: expected {expected}, {got}")
 
 
@@ -43,17 +44,17 @@ def to_item(row: dict[str, Any], cfg: TaskSourceConfig, where: str) -> "Item":
 
     messages: tuple[dict[str, str], ...] = ()
     if cfg.messages_key:
-        value = row.get(cfg.messages_key)
+        value = row.get(cfg.messages_key, MISSING)
         ok = isinstance(value, list) and value and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
         if not ok:
             raise _bad(where, cfg.messages_key, 'a non-empty list of {"role": str, "content": str}', value)
         messages, prompt = tuple({"role": m["role"], "content": m["content"]} for m in value), ""
     else:
-        prompt = row.get(cfg.prompt_key)
+        prompt = row.get(cfg.prompt_key, MISSING)
         if not isinstance(prompt, str) or not prompt:
             raise _bad(where, cfg.prompt_key, "a non-empty string", prompt)
-    answer = row.get(cfg.answer_key)
+    answer = row.get(cfg.answer_key, MISSING)
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise _bad(where, cfg.answer_key, "a string or a number", answer)
     solution = row.get(cfg.solution_key, "") if cfg.solution_key else ""

@@ -79,23 +79,19 @@ def micro_batches(reply: BatchReply, rows: np.ndarray, max_tokens: int, pad_id: 
 
 
 def _micro_batch(reply: BatchReply, rows: np.ndarray, pad_id: int) -> TokenBatch:
+    """Rows right-padded to the longest; the trained targets found with whole-array indexing."""
     t = reply.trajectories
-    width = int(t.lengths[rows].max())
-    ids = np.full((len(rows), width), pad_id, np.int64)
-    keep = np.zeros((len(rows), width - 1), bool)
-    lp = np.zeros((len(rows), width - 1), np.float32)
-    ver = np.zeros((len(rows), width - 1), np.int64)
-    adv = np.zeros((len(rows), width - 1), np.float32)
-    for i, r in enumerate(rows):
-        lo, hi = int(t.offsets[r]), int(t.offsets[r + 1])
-        k = hi - lo
-        ids[i, :k] = t.tokens[lo:hi]
-        # the token at position j + 1 is predicted at position j: masks shift by one
-        keep[i, : k - 1] = t.loss_mask[lo + 1:hi].astype(bool)
-        lp[i, : k - 1] = t.logprobs[lo + 1:hi]
-        ver[i, : k - 1] = t.versions[lo + 1:hi]
-        adv[i, : k - 1] = reply.advantages[r]
-    flat = np.flatnonzero(keep.reshape(-1))
-    return TokenBatch(torch.from_numpy(ids), torch.from_numpy(flat), torch.from_numpy(ids[:, 1:].reshape(-1)[flat]),
-                      torch.from_numpy(lp.reshape(-1)[flat]), torch.from_numpy(ver.reshape(-1)[flat]),
-                      torch.from_numpy(adv.reshape(-1)[flat]), rows)
+    lengths = t.lengths[rows].astype(np.int64)
+    width = int(lengths.max())
+    col = np.arange(width)
+    valid = col[None, :] < lengths[:, None]
+    src = np.minimum(t.offsets[rows][:, None] + col[None, :], len(t.tokens) - 1)  # clipped where not valid
+    ids = np.where(valid, t.tokens[src], pad_id).astype(np.int64)
+    # the token at position j + 1 is predicted at position j: targets and their masks shift by one
+    keep = valid[:, 1:] & (t.loss_mask[src[:, 1:]] == 1)
+    flat = np.flatnonzero(keep)
+    at = src[:, 1:].reshape(-1)[flat]
+    advantages = reply.advantages[rows].astype(np.float32)[flat // max(width - 1, 1)]
+    return TokenBatch(torch.from_numpy(ids), torch.from_numpy(flat), torch.from_numpy(t.tokens[at].astype(np.int64)),
+                      torch.from_numpy(t.logprobs[at].astype(np.float32)),
+                      torch.from_numpy(t.versions[at].astype(np.int64)), torch.from_numpy(advantages), rows)

@@ -2,9 +2,11 @@
 
 The decoder body runs once over the micro-batch; the hidden states of the positions whose
 targets are trained are gathered (N × hidden), and the output layer runs over them in
-chunks of `chunk` positions. Each chunk is checkpointed: its logits are recomputed in the
-backward pass instead of kept, so at most one chunk's (chunk × vocabulary) logits exist at
-a time, forward or backward. Prompt positions never get logits at all.
+chunks of `chunk` positions. A chunk whose logits would take more than `CHECKPOINT_BYTES`
+is checkpointed: its logits are recomputed in the backward pass instead of kept, so at most
+one chunk's (chunk × vocabulary) logits exist at a time, forward or backward (smaller ones
+are kept: recomputing them cost the tiny quickstart model 6% of its step for nothing).
+Prompt positions never get logits at all.
 
 Per trained token: log pi(target | prefix) of pi = softmax(logits / T), T the engines'
 sampling temperature (the behaviour policy's distribution: scored at T=1 instead, the
@@ -27,6 +29,8 @@ from torch.utils.checkpoint import checkpoint
 
 from astraflow.trainer.batch import TokenBatch
 from astraflow.trainer.loss import forward_kl
+
+CHECKPOINT_BYTES = 64 << 20
 
 
 @dataclass
@@ -77,12 +81,14 @@ class PolicyScorer(torch.nn.Module):
             with torch.no_grad():
                 h_ref = trained_hidden(ref, batch)
         head, ref_head = self.model.get_output_embeddings(), ref.get_output_embeddings() if ref is not None else None
+        big = min(self.chunk, len(batch.targets)) * head.weight.shape[0] * 4 > CHECKPOINT_BYTES
         outs = []
         for lo in range(0, len(batch.targets), self.chunk):
             part = slice(lo, lo + self.chunk)
             args = (head, h[part], batch.targets[part], self.temperature, ref_head,
                     h_ref[part] if h_ref is not None else None)
-            outs.append(checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args))
+            outs.append(checkpoint(_chunk, *args, use_reentrant=False) if big and torch.is_grad_enabled()
+                        else _chunk(*args))
         if not outs:  # nothing trained in this micro-batch: empty, but every parameter in the graph (DDP)
             empty = h.sum(-1) + head(h[:0]).sum()
             return Scores(empty, empty.detach(), empty if ref is not None else None)

@@ -17,9 +17,10 @@ from astraflow.models.factory import make_model
 from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.trainer.batch import TokenBatch
-from astraflow.trainer.scoring import PolicyScorer, sequence_logprobs
+from astraflow.trainer.scoring import PolicyScorer
 from astraflow.weights.fs import load_state_dict, path_of, publish
 from tests.conftest import hf_engine, make_run
+from tests.unit.engine_parity import check_reloads, teacher_forced
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +28,10 @@ def model_dir(tmp_path_factory):
     return make_model("qwen2", "tiny", tmp_path_factory.mktemp("m") / "model", seed=0, corpus=["12+7=19"])
 
 
-def teacher_forced(model, prompt: list[int], tokens: np.ndarray, temperature: float) -> np.ndarray:
-    """The trainer's own scoring (`sequence_logprobs`) of an engine's completion: with the
-    engine's logprobs equal to it, the on-policy importance ratio is exactly 1."""
-    (logp,) = sequence_logprobs(model, [prompt + tokens.tolist()], temperature)
-    return logp[len(prompt) - 1:].numpy()
+@pytest.mark.parametrize("like", ["qwen2.5", "llama3"])
+def test_hf_engine_logprobs_and_reloads_match_the_trainer_weights(tmp_path, like):
+    model_dir = make_model(like, "tiny", tmp_path / "model", corpus=["What is 12 + 7? 19"] * 20)
+    check_reloads(hf_engine(model_dir), model_dir, tmp_path / "weights")
 
 
 def test_entropy_is_that_of_the_sampled_distribution(model_dir):
