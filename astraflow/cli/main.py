@@ -213,6 +213,15 @@ def _bench_staleness(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_learn(args: argparse.Namespace) -> int:
+    from astraflow.bench.learn import run_bench
+
+    result = run_bench(args.config, args.seeds, args.set, args.first_at_most, args.last_at_least, args.heldout_gain,
+                       args.wall_s)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0 if result["passed"] else 1
+
+
 def _env_server(args: argparse.Namespace) -> int:
     from astraflow.environments.server import main as serve
 
@@ -387,6 +396,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_staleness)
+
+    b = bsub.add_parser("learn", help="run a config over seeds: rewards, held-out scores, wall time (exit 1 if the "
+                                      "medians miss the targets)")
+    b.add_argument("--config", default="configs/math_chat.yaml")
+    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for every run")
+    b.add_argument("--first-at-most", type=float, default=0.3, help="generated reward over the first 10%% of steps")
+    b.add_argument("--last-at-least", type=float, default=0.6, help="generated reward over the last 10%% of steps")
+    b.add_argument("--heldout-gain", type=float, default=0.2, help="greedy held-out score, last minus starting weights")
+    b.add_argument("--wall-s", type=float, default=600.0, help="seconds per run, everything included")
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.set_defaults(fn=_bench_learn)
     return parser
 
 

@@ -99,6 +99,9 @@ class TaskSourceConfig:
     answer: str = choice("full", "full", "units", "parity")
     ops: str = "+-"  # which of + and - to generate (two operands)
     operands: int = 2  # arithmetic: more than 2 sums that many; word_problems: quantities in a story
+    # word_problems: the warm-up's target and the reference answer work the story out line by
+    # line ("7 - 2 = 5") before "The answer is \boxed{5}."; false: the boxed answer alone
+    worked_solution: bool = True
     pad_operands: bool = False  # "07+15=" instead of "7+15="
     reverse_answer: bool = False  # answer digits least significant first
     # Prompts never handed out for training (evaluation split) and prompts reserved for the

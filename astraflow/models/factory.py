@@ -7,11 +7,16 @@ template) + `generation_config.json` (the family's eos list). Families and shape
 `astraflow/models/families.py`.
 
 Tokenizers: `bpe` is byte-level BPE (any text encodes) with `BPE_VOCAB` entries learned from
-the task corpus plus generic English; `char` is one token per character (printable ASCII
-plus the corpus), for digit tasks a tiny model learns far more easily over characters.
+the task corpus plus generic English text (`generic_corpus`: the documentation of some of
+Python's own standard library, which every machine has, so the vocabulary is a real one of
+several thousand words and never depends on a download); `char` is one token per character
+(printable ASCII plus the corpus), for digit tasks a tiny model learns far more easily over
+characters.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import string
 from pathlib import Path
@@ -20,13 +25,25 @@ from typing import Iterable
 from astraflow.models.families import FAMILIES, Family
 
 BPE_VOCAB = 4096
-# generic text, so that a BPE tokenizer trained on a narrow task corpus still merges common words
-GENERIC_TEXT = (
-    "The quick brown fox jumps over the lazy dog. A question is answered step by step, and the final "
-    "answer is written at the end. Each of the people in the story has some things; they buy, sell, "
-    "give, share and count them. How many are there in total, and how many are left over? Please think "
-    "carefully, then answer. Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 30 40 50 60 70 80 90 100 1000."
-)
+GENERIC_MODULES = ("argparse", "calendar", "collections", "csv", "datetime", "decimal", "email.message", "fractions",
+                   "ftplib", "http.client", "imaplib", "json", "logging", "mailbox", "optparse", "pathlib", "pydoc",
+                   "random", "shutil", "smtplib", "statistics", "string", "subprocess", "tarfile", "textwrap",
+                   "threading", "turtle", "unittest", "urllib.request", "zipfile")
+
+
+def generic_corpus() -> list[str]:
+    """English prose of the standard library's documentation: module, class and function docstrings."""
+    texts = []
+    for name in GENERIC_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # a Python built without it (turtle needs tkinter)
+            continue
+        texts.append(inspect.getdoc(module) or "")
+        for _, obj in sorted(vars(module).items()):
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "") == name:
+                texts.append(inspect.getdoc(obj) or "")
+    return [t for t in texts if t]
 
 
 def _choices(name: str, value: str, valid: Iterable[str]) -> None:
@@ -54,7 +71,7 @@ def train_tokenizer(family: Family, kind: str, corpus: list[str]):
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=specials, min_frequency=1,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-        tok.train_from_iterator([GENERIC_TEXT, *corpus], trainer)
+        tok.train_from_iterator([*generic_corpus(), *corpus], trainer)
     if family.bos is not None:  # the tokenizer adds it, as Llama's does; the chat template adds its own
         tok.post_processor = processors.TemplateProcessing(single=f"{family.bos} $A",
                                                            special_tokens=[(family.bos, tok.token_to_id(family.bos))])

@@ -12,9 +12,8 @@
 from __future__ import annotations
 
 import itertools
+import random
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from astraflow.config.schema import TaskSourceConfig
 
@@ -87,28 +86,26 @@ QUESTION = ["How many {t} does {n} have now?", "How many {t} does {n} have left?
 def word_problems(cfg: TaskSourceConfig) -> ItemRows:
     from astraflow.tasks.sources import Item
 
-    rng = np.random.default_rng([cfg.seed, 7])
+    rng = random.Random(f"word_problems-{cfg.seed}")  # Python's generator: 10x faster per draw than numpy's
     items = []
     steps = max(1, cfg.operands - 1)
     top = max(2, cfg.max_operand)
     for _ in range(WORD_PROBLEMS):
-        (name, he, him, _his), (other, *_) = [PEOPLE[i] for i in rng.choice(len(PEOPLE), 2, replace=False)]
-        things, unrelated = (THINGS[i] for i in rng.choice(len(THINGS), 2, replace=False))
-        words = dict(n=name, s=he, S=he.capitalize(), O=him, o=other, t=things, u=unrelated,
-                     h=HOLDERS[rng.integers(len(HOLDERS))])
-        total = int(rng.integers(1, top + 1))
+        (name, he, him, _his), (other, *_) = rng.sample(PEOPLE, 2)
+        things, unrelated = rng.sample(THINGS, 2)
+        words = dict(n=name, s=he, S=he.capitalize(), O=him, o=other, t=things, u=unrelated, h=rng.choice(HOLDERS))
+        total = rng.randint(1, top)
         story = [rng.choice(START).format(x=total, **words)]
         lines = []
         for _ in range(steps):
             more = total == 0 or rng.random() < 0.5
-            x = int(rng.integers(1, top + 1)) if more else int(rng.integers(1, total + 1))
+            x = rng.randint(1, top) if more else rng.randint(1, total)
             story.append(rng.choice(MORE if more else FEWER).format(x=x, **words))
             lines.append(f"{total} {'+' if more else '-'} {x} = {total + x if more else total - x}")
             total = total + x if more else total - x
         if rng.random() < 0.5:  # a number that does not matter
-            story.insert(int(rng.integers(1, len(story) + 1)), rng.choice(DISTRACT).format(x=int(rng.integers(1, top + 1)),
-                                                                                          **words))
+            story.insert(rng.randint(1, len(story)), rng.choice(DISTRACT).format(x=rng.randint(1, top), **words))
         story.append(rng.choice(QUESTION).format(**words))
-        solution = "\n".join([*lines, f"The answer is \\boxed{{{total}}}."])
+        solution = "\n".join([*(lines if cfg.worked_solution else []), f"The answer is \\boxed{{{total}}}."])
         items.append(Item(" ".join(story), str(total), solution=solution))
     return ItemRows(items)

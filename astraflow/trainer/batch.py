@@ -40,14 +40,15 @@ class TokenBatch:
                             else getattr(self, f) for f in self.__dataclass_fields__))
 
     @staticmethod
-    def of_rows(rows: list[list[int]], pad_id: int = 0) -> "TokenBatch":
-        """Every position of every row a target (behaviour, versions, advantages zero)."""
+    def of_rows(rows: list[list[int]], pad_id: int = 0, first: list[int] | None = None) -> "TokenBatch":
+        """Targets: every token of each row from `first[i]` on (default: all but the first);
+        behaviour, versions and advantages zero."""
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         keep = torch.zeros(len(rows), width - 1, dtype=torch.bool)
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row)
-            keep[i, : len(row) - 1] = True
+            keep[i, (first[i] if first else 1) - 1: len(row) - 1] = True
         positions = torch.nonzero(keep.reshape(-1)).squeeze(-1)
         zeros = torch.zeros(len(positions))
         return TokenBatch(ids, positions, ids[:, 1:].reshape(-1)[positions], zeros, zeros.long(), zeros,

@@ -2,7 +2,9 @@
 weak but non-zero policy, as it does from a base model in practice. Trains on the target
 tokens of `warmup.steps` random batches of the workflow's examples for that role (the
 solver's answer, the verifier's verdict on a right or a wrong answer, the agent's tool call)
-and saves the model in place."""
+and saves the model in place. The loss is the mean negative log-likelihood of the target
+tokens, computed like the RL loss's logprobs (`trainer/scoring.py`: logits of target
+positions only, in chunks), a fraction of a full-vocabulary pass over every position."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +18,8 @@ from astraflow import hardware
 from astraflow.config.schema import Config
 from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.tasks.sources import TaskSource
+from astraflow.trainer.batch import TokenBatch
+from astraflow.trainer.scoring import PolicyScorer
 from astraflow.workflows import WORKFLOWS
 
 log = logging.getLogger(__name__)
@@ -35,19 +39,13 @@ def warm_up(model_dir: Path, cfg: Config, role: str) -> float:
     dtype = hardware.compute_dtype(cfg.model.dtype, device)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=w.lr)
+    scorer = PolicyScorer(model, temperature=1.0)
     loss = torch.tensor(float("nan"))
     for step in range(w.steps):
         rows = [examples[i] for i in rng.integers(len(examples), size=w.batch_size)]
-        width = max(len(p) + len(a) for p, a in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_id)
-        labels = torch.full((len(rows), width), -100)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (p, a) in enumerate(rows):
-            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p): len(p) + len(a)] = torch.tensor(a)
-            attention[i, : len(p) + len(a)] = 1
+        batch = TokenBatch.of_rows([p + a for p, a in rows], tokenizer.pad_id, first=[len(p) for p, _ in rows])
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(input_ids=ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)).loss
+            loss = -scorer(batch.to(device)).logp.mean()
         optim.zero_grad()
         loss.backward()
         optim.step()

@@ -63,14 +63,26 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", "").strip())
+    except ValueError:
+        return None
+
+
 def boxed_math(completion: str, answer: str) -> float:
-    """The last `\\boxed{}` of the completion, equivalent to the answer (math-verify); 0
-    without one: the format is part of what is rewarded."""
+    """The last `\\boxed{}` of the completion, equivalent to the answer; 0 without one: the
+    format is part of what is rewarded. Plain numbers are compared as numbers; anything else
+    goes to math-verify (tens of milliseconds a call: a worker scoring every wrong answer
+    with it did a tenth of the episodes it could)."""
     boxed = last_boxed(completion)
     if boxed is None:
         return 0.0
     if boxed.strip() == answer.strip():
         return 1.0
+    a, b = _number(boxed), _number(answer)
+    if a is not None and b is not None:
+        return float(abs(a - b) <= 1e-9 * max(1.0, abs(b)))
     return math_verify(f"${boxed}$", f"${answer}$")
 
 
