@@ -1,6 +1,6 @@
 """The tool sandbox: limits on time, memory, processes, output; no network; no writes outside
-its directory; the run directory invisible. Real namespaces (root needed; under CI=true a
-machine that cannot run them fails these tests instead of skipping them)."""
+its directory; the run directory invisible. Real namespaces (root needed: without it they
+skip, and under CI=true fail, `tests/ci_skips.py`)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,16 +15,12 @@ import pytest
 from astraflow.sandbox import Limits, Result, Sandbox
 
 why_not = Sandbox.check()
-if why_not and os.environ.get("CI") != "true":
+if why_not:
     pytest.skip(why_not, allow_module_level=True)
 
 
 def run(source: str, hide: tuple[str, ...] = (), **limits) -> Result:
     return asyncio.run(Sandbox(Limits(**{"wall_s": 10.0, **limits}), hide=hide).run_python(source))
-
-
-def test_setup_is_possible_here():
-    assert why_not is None, why_not
 
 
 def test_runs_code_as_an_unprivileged_uid_in_a_temporary_directory():
