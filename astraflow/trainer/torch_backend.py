@@ -5,9 +5,10 @@ restart gets the same samples), compute the proximal logprobs once, take `miniba
 optimizer steps of decoupled PPO, publish weights version = step (rank 0, filesystem channel),
 announce it, then acknowledge the step's samples (`consumed`). Metrics go to
 `metrics/<policy>.csv` (a row per trained step, appended; a replayed step gets a row again and
-readers merge a step's rows: `analysis/metrics.py`) and to TensorBoard event files in `metrics/tensorboard/<policy>/`;
-the sample ids of every acknowledged step go to `metrics/<policy>.consumed.jsonl` (the
-trainer's own ledger, which audits compare with the rank's journal).
+readers merge a step's rows: `analysis/metrics.py`) and to TensorBoard event files in
+`metrics/tensorboard/<policy>/`; the sample ids of every acknowledged step go to
+`metrics/<policy>.consumed.jsonl` (the trainer's own ledger, which audits compare with the
+rank's journal).
 Every `checkpoint_every` steps model + optimizer + step are saved atomically; a restarted trainer resumes from the newest
 checkpoint and tells the dataflow rank (`ready(resume_step)`), which re-serves exactly the
 steps after it. Version v of the weights is the model after step v (v0 = the base model).
