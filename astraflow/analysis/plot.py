@@ -2,10 +2,11 @@
 
 Per policy: the reward of everything generated (what the policy achieves) and of the trained
 batches, against wall-clock seconds since the first step, with the held-out accuracy of the
-starting and final weights (from `eval.json`) as horizontal markers. The generated reward is
-drawn as a moving average over `SMOOTH_STEPS` steps weighted by each step's sample count: a
-step served from the buffer's surplus may have seen a single new group, and its own mean
-(drawn faintly) swings from 0 to 1.
+starting and final weights (from `eval.json`) as horizontal markers. One point per step (a
+step replayed after a trainer restart is drawn once, `read_metrics`). The generated reward is
+drawn as a moving average over the last `SMOOTH_STEPS` steps that generated samples, weighted
+by each step's sample count: a step served from the buffer's surplus may have seen a single
+new group, and its own mean (drawn faintly) swings from 0 to 1.
 """
 from __future__ import annotations
 

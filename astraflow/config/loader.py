@@ -5,6 +5,10 @@ was expected: unknown keys (the valid ones are listed), wrong types, missing fie
 outside a field's `choices`. `--set a.b=c` overrides are applied to the parsed YAML before
 validation, so they are checked exactly like the file; a list of named items (policies) can
 be addressed by index or by name: `policies.solver.max_staleness=1`.
+
+The YAML itself is read strictly too (`strict_yaml.py`): a file that is not UTF-8, a syntax
+error, an unknown tag, an alias, a duplicate key or too deep a nesting is one line naming the
+file and line, never a traceback and never minutes spent expanding aliases.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Any, Iterable, TypeVar
 import yaml
 
 from astraflow.config.schema import WORKFLOW_ROLES, Config
+from astraflow.config.strict_yaml import compose_and_load
 
 T = TypeVar("T")
 
@@ -37,18 +42,21 @@ def load_typed(tp: type[T], path: str | Path, overrides: Iterable[str] = ()) -> 
     """A YAML file as the dataclass `tp` (a run config, a site profile), strictly."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read {_kind(tp)}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not a YAML {_kind(tp)}: byte 0x{raw[e.start]:02x} at offset "
+                          f"{e.start} is not UTF-8 text") from None
     return parse_typed(tp, text, source=str(path), overrides=overrides)
 
 
 def parse_typed(tp: type[T], text: str, source: str, overrides: Iterable[str] = ()) -> T:
-    try:
-        node = yaml.compose(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: invalid YAML: {e}") from None
-    data = yaml.safe_load(text) if node is not None else {}
+    node, data = _parse_yaml(text, source)
+    data = {} if node is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{source}:1: the top level must be a mapping of sections")
     lines: dict[str, int] = {}
@@ -61,6 +69,23 @@ def parse_typed(tp: type[T], text: str, source: str, overrides: Iterable[str] = 
     if isinstance(obj, Config):
         _check_semantics(obj, where)
     return obj
+
+
+def _parse_yaml(text: str, source: str) -> tuple[yaml.Node | None, Any]:
+    """`compose_and_load`, its errors as one line naming the file and line."""
+    try:
+        return compose_and_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{source}:{mark.line + 1}" if mark else source
+        what = "; ".join(x for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{where}: invalid YAML: {what}") from None
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow (binary data)
+        line = text.count("\n", 0, e.position) + 1
+        raise ConfigError(f"{source}:{line}: invalid YAML: character "
+                          f"{e.character:#x} at offset {e.position} is not allowed (binary data?)") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: invalid YAML: {' '.join(str(e).split())}") from None
 
 
 def _kind(tp: type) -> str:
@@ -213,7 +238,7 @@ def _apply_override(data: dict, item: str, lines: dict[str, int]) -> None:
     if not sep or not key:
         raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE")
     try:
-        value = yaml.safe_load(raw)
+        value = compose_and_load(raw)[1]
     except yaml.YAMLError:
         value = raw
     parts = key.split(".")

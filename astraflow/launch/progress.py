@@ -1,5 +1,6 @@
 """The live progress line of `astraflow run`: step, reward (of the samples generated over the
-last few steps), tokens/s, staleness per policy.
+last few steps that generated any, as in the plot and the summary), tokens/s, staleness per
+policy.
 
 Reads the trainers' metrics CSVs (the launcher never talks to trainers directly)."""
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import sys
 import time
 
-from astraflow.analysis.metrics import SMOOTH_STEPS, generated_reward, read_metrics
+from astraflow.analysis.metrics import generated_reward_smoothed, read_metrics
 from astraflow.config.rundir import RunDir
 
 
@@ -31,7 +32,7 @@ class Progress:
             row = rows[-1]
             step, total = int(row["step"]), self.run.config.trainer_for(p).steps
             tok_s = row["tokens"] / max(1e-9, row["wait_s"] + row["train_s"])
-            reward = generated_reward(rows[-SMOOTH_STEPS:])
+            reward = generated_reward_smoothed(rows)[-1]
             parts.append(f"{p}: step {step}/{total} reward {reward:.2f} "
                          f"{tok_s / 1e3:.1f}k tok/s lag {row['version_lag']:.1f}")
         line = f"[{now - self.t0:5.0f}s] " + " | ".join(parts)

@@ -1,13 +1,16 @@
 """`RUN_DIR/summary.json`: what a run achieved, from its own data.
 
-reward_first / reward_last: mean reward of everything generated during the first / last 10%
-of steps (filtered groups included); time_to_target_s / samples_to_target: the first step at
-which that reward over the last 5 steps' samples reaches `TARGET` (`analysis/metrics.py`);
-samples_per_s: completions trained on per second of the components' wall time
-(`components_s`: from their start, together with the model's preparation, to their stop);
-eval_accuracy: greedy accuracy of the last published weights on the held-out prompts
-(eval_accuracy_base: the same for the starting weights); wall_s: from the start of the run
-(model build and warm-up included) to the end of that evaluation.
+reward_first / reward_last: mean reward of everything generated (filtered groups included)
+over the first / last k steps that generated samples, k being 10% of the steps (a replayed
+step, or one served from the buffer's surplus, generated nothing and is passed over: the
+rewards are NaN only when the run generated nothing); time_to_target_s / samples_to_target:
+the first step at which that reward over the last 5 such steps reaches `TARGET`
+(`analysis/metrics.py`); trained: the samples of the run's steps, each step counted once (a
+step replayed after a trainer restart is not counted again); samples_per_s: those per second
+of the components' wall time (`components_s`: from their start, together with the model's
+preparation, to their stop); eval_accuracy: greedy accuracy of the last published weights on
+the held-out prompts (eval_accuracy_base: the same for the starting weights); wall_s: from the
+start of the run (model build and warm-up included) to the end of that evaluation.
 """
 from __future__ import annotations
 
@@ -18,21 +21,22 @@ import time
 
 import numpy as np
 
-from astraflow.analysis.metrics import generated_reward, generated_reward_smoothed, read_metrics
+from astraflow.analysis.metrics import generated_reward, generated_reward_smoothed, generating_window, read_metrics
 from astraflow.config.rundir import RunDir
 
 TARGET = 0.8
 
 
 def policy_summary(rows: list[dict], t_start: float, target: float = TARGET) -> dict:
+    """`rows`: one per step (`read_metrics`)."""
     if not rows:
         return {"steps": 0}
     k = max(1, len(rows) // 10)
     samples = np.cumsum([r["samples"] for r in rows])
     hit = np.flatnonzero(generated_reward_smoothed(rows) >= target)
     first = int(hit[0]) if len(hit) else None
-    return {"steps": int(rows[-1]["step"]), "reward_first": generated_reward(rows[:k]),
-            "reward_last": generated_reward(rows[-k:]),
+    return {"steps": int(rows[-1]["step"]), "reward_first": generated_reward(generating_window(rows, k, last=False)),
+            "reward_last": generated_reward(generating_window(rows, k)),
             "time_to_target_s": rows[first]["time"] - t_start if first is not None else None,
             "samples_to_target": int(samples[first]) if first is not None else None,
             "completion_len": float(np.mean([r["completion_len"] for r in rows])),

@@ -1,20 +1,27 @@
 """Running generated code: a separate process in its own namespaces, unprivileged, limited.
 
-Every run is `unshare --net --mount --pid --fork --kill-child --mount-proc` around
+Every run is `unshare --net --mount --pid --ipc --fork --kill-child --mount-proc` around
 `astraflow.sandbox.inner`, which (still root, but in the new namespaces) mounts a size-capped
-tmpfs over /tmp, /var/tmp and /dev/shm and an empty read-only tmpfs over every hidden path
-(the run directory: the secret is not there to read), sets rlimits on CPU time, address
-space, file size, processes and open files, drops to an unprivileged uid with no groups, and
-execs `python -I -S -c SOURCE` in `/tmp/work`. So:
+tmpfs over /run (root's only), /tmp, /var/tmp and /dev/shm and an empty read-only tmpfs over
+every hidden path (the run directory: the secret is not there to read), sets rlimits on CPU
+time, address space, file size, processes and open files, empties the capability bounding
+set, drops to an unprivileged uid with no groups, sets no_new_privs, loads a seccomp filter
+(`seccomp.py`) and execs `python -I -S -c SOURCE` in `/tmp/work`. So:
 - no network: a new network namespace has only a loopback interface, and it is down;
-- no writes outside its directory: the uid owns nothing else, and /tmp is its own tmpfs,
-  which disappears with the mount namespace (the temporary directory is removed by the
-  kernel, whatever the code did);
+- no writes that outlive it: the uid owns nothing on the host, and the host's world-writable
+  directories (/tmp, /var/tmp, /dev/shm, /run/lock) are covered by tmpfs mounts that
+  disappear with the mount namespace, whatever the code did;
+- no IPC that outlives it: SysV shared memory, semaphores and message queues and POSIX
+  message queues live in its own IPC namespace, destroyed with it;
+- no privileges to regain: no capabilities, none in the bounding set, execve of a setuid or
+  file-capability binary grants nothing (no_new_privs), and the filter refuses new
+  namespaces, mounts, ptrace, bpf, io_uring, keyrings and the like;
 - no process outlives it: it is PID 1 of its own PID namespace; when it exits or the wall
   clock runs out, every process in the namespace is killed;
 - output is capped: past `output_bytes` the run is killed and marked truncated.
 
-Needs root (to create the namespaces and switch uid); `Sandbox.check()` says why it cannot run.
+Needs root (to create the namespaces and switch uid) and libseccomp; `Sandbox.check()` says
+why it cannot run.
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ import shutil
 import signal
 import sys
 from dataclasses import asdict, dataclass, field
+
+from astraflow.sandbox.seccomp import load_library
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,9 @@ class Sandbox:
             return "the sandbox needs root to create namespaces and switch to an unprivileged uid"
         if shutil.which("unshare") is None:
             return "the sandbox needs util-linux `unshare`"
+        lib = load_library()
+        if isinstance(lib, str):
+            return lib
         if sandbox_python() is None:
             return ("no Python interpreter that an unprivileged uid may execute (this one lives under a "
                     "private directory); install the system python3")
@@ -104,8 +116,11 @@ class Sandbox:
     async def run_python(self, source: str) -> Result:
         spec = {"limits": asdict(self.limits), "hide": list(self.hide), "uid": self._uid(), "python": sandbox_python()}
         proc = await asyncio.create_subprocess_exec(
-            "unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
-            sys.executable, "-I", "-m", "astraflow.sandbox.inner", json.dumps(spec),
+            "unshare", "--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc",
+            # not -I: it ignores PYTHONPATH, and the setup must come from this very package
+            # (a checkout run with PYTHONPATH, or a second checkout beside an installed one);
+            # the environment is this one, built here, and -s -P keep out user site and cwd
+            sys.executable, "-s", "-P", "-m", "astraflow.sandbox.inner", json.dumps(spec),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                                          "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})

@@ -1,5 +1,10 @@
 """Inside the sandbox's namespaces, as root: mounts, limits, drop privileges, exec the code.
 
+In this order, each step needing what the next one takes away: tmpfs mounts (the `mount`
+binary needs its capabilities), rlimits, the capability bounding set emptied (needs
+CAP_SETPCAP), the switch to the sandbox uid, no_new_privs, the seccomp filter (refuses
+`mount` among others), exec.
+
 Run only by `astraflow.sandbox.Sandbox` as the child of `unshare` (argv[1]: JSON spec, stdin:
 the source). Anything that fails here exits 125 before the code runs.
 """
@@ -11,7 +16,13 @@ import resource
 import subprocess
 import sys
 
+from astraflow.sandbox.confine import drop_bounding_set, no_new_privs
+from astraflow.sandbox.seccomp import install_filter
+
 MB = 1 << 20
+# /run first: /dev/shm may be a link into it. /run is the sandbox's own and empty, writable by
+# root only (the host's /run/lock is world-writable and kept what was written there).
+PRIVATE = (("/run", "0755"), ("/tmp", "1777"), ("/var/tmp", "1777"), ("/dev/shm", "1777"))
 
 
 def mount_tmpfs(path: str, size_mb: float, mode: str = "1777", readonly: bool = False) -> None:
@@ -23,9 +34,9 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     limits, uid = spec["limits"], spec["uid"]
     source = sys.stdin.read()
-    for path in ("/tmp", "/var/tmp", "/dev/shm"):
+    for path, mode in PRIVATE:
         if os.path.isdir(path):
-            mount_tmpfs(path, limits["tmpfs_mb"])
+            mount_tmpfs(path, limits["tmpfs_mb"], mode)
     for path in spec["hide"]:
         if os.path.isdir(path):
             mount_tmpfs(path, 0.004, mode="0755", readonly=True)
@@ -36,9 +47,12 @@ def main() -> None:
                        (resource.RLIMIT_FSIZE, limits["file_mb"] * MB), (resource.RLIMIT_NPROC, limits["processes"]),
                        (resource.RLIMIT_NOFILE, limits["open_files"]), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(res, (value, value))
+    drop_bounding_set()
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
+    no_new_privs()
+    install_filter()
     os.chdir(work)
     os.execve(spec["python"], [spec["python"], "-I", "-S", "-c", source],
               {"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8"})

@@ -3,8 +3,10 @@
 Per step: pull the step's batch from the dataflow rank (blocking; a replayed step after a
 restart gets the same samples), let the backend train on it (`Backend.train_step`), publish
 weights version = step (rank 0, filesystem channel, in the training dtype), announce it,
-then acknowledge the step's samples (`Consumed`). Metrics go to `metrics/<policy>.csv` and to
-TensorBoard event files in `metrics/tensorboard/<policy>/`; the sample ids of every
+then acknowledge the step's samples (`Consumed`). Metrics go to `metrics/<policy>.csv` (a row
+per trained step, appended; a replayed step gets a row again and readers merge a step's rows:
+`analysis/metrics.py`) and to TensorBoard event files in `metrics/tensorboard/<policy>/`; the
+sample ids of every
 acknowledged step go to `metrics/<policy>.consumed.jsonl` (the trainer's own ledger, which
 audits compare with the rank's journal). Every `checkpoint_every` steps the backend saves
 its state; a restarted trainer resumes from the newest checkpoint and tells the dataflow
@@ -23,7 +25,6 @@ the buffer, to be trained again (the kill chaos test caught it: 49 of 50 steps i
 """
 from __future__ import annotations
 
-import csv
 import datetime
 import json
 import logging
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from tensorboardX import SummaryWriter
 
 from astraflow import hardware
+from astraflow.analysis.metrics import append_metrics, metrics_path
 from astraflow.config.rundir import RunDir
 from astraflow.models import wait_for_model
 from astraflow.protocol import messages as m
@@ -162,13 +164,7 @@ class Trainer:
 
     def record(self, row: dict) -> None:
         """One CSV line and TensorBoard scalars per step (rank 0 only)."""
-        path = self.run.path / "metrics" / f"{self.policy}.csv"
-        new_file = not path.exists()
-        with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, self.metric_fields)
-            if new_file:
-                writer.writeheader()
-            writer.writerow(row)
+        append_metrics(metrics_path(self.run.path, self.policy), self.metric_fields, row)
         if self.board is None:
             self.board = SummaryWriter(str(self.run.path / "metrics" / "tensorboard" / self.policy))
         for key in self.metric_fields[2:]:

@@ -50,6 +50,8 @@ def test_sigkill_worker_trainer_and_dataflow_rank_twice_each(tmp_path):
     assert json.loads(out[out.index("{"):])["steps"] == steps
     report = check_ledgers_and_audit(run_dir)
     assert report["trained"]["policy"] == steps * BATCH
+    # the summary counts what was trained, each replayed step once (it reported 23,424 for 19,200)
+    assert json.loads((run_dir / "summary.json").read_text())["trained"] == steps * BATCH
     for victim, log in (("dataflow", "dataflow"), ("train", "trainer-policy")):
         assert "(restart 2)" in (run_dir / "logs" / f"{log}.log").read_text(), f"{victim} was not restarted twice"
 

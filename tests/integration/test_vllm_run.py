@@ -1,8 +1,9 @@
-"""The main job as shipped (`configs/quickstart.yaml`, the vllm engine), shortened to a few
-dozen steps: the rollout worker generates through vLLM and swaps in every new version, the
-evaluation started beside the run scores the starting and the last weights through its own
-vLLM engine, and the shards carry what the engine generated with. One of the two CI tests
-that start vLLM (the other: tests/unit/test_vllm_engine.py)."""
+"""The main job as shipped (`configs/quickstart.yaml`, the vllm engine), shortened to 100
+steps: the rollout worker generates through vLLM and swaps in every new version, the policy
+learns (the generated reward rises, the last weights score clearly better on the held-out
+prompts than the starting ones), the evaluation started beside the run scores both through
+its own vLLM engine, and the shards carry what the engine generated with. One of the two CI
+tests that start vLLM (the other: tests/unit/test_vllm_engine.py)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,11 @@ from tests.conftest import REPO, require
 
 pytestmark = pytest.mark.integration
 
-STEPS = 30
+# Measured, 5 runs each (held-out accuracy from 0.26; generated reward, first -> last 10%):
+#  30 steps: held-out 0.23-0.335, reward +0.03 to +0.08 (no learning to assert);
+#  60 steps: held-out 0.335-0.49, reward +0.10 to +0.12;
+# 100 steps: held-out 0.47-0.65, reward +0.15 to +0.18, 29-35 s wall (30 steps: 23-27 s).
+STEPS = 100
 
 
 def test_the_main_job_runs_on_vllm(tmp_path):
@@ -34,9 +39,11 @@ def test_the_main_job_runs_on_vllm(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["trained"] == STEPS * cfg.trainer.batch_size
-    # the warm-up checkpoint is weak (docs: 0.26 held-out); the score of the last version exists
+    # the warm-up checkpoint is weak (docs: 0.26 held-out); RL improves on it: the thresholds
+    # are half the smallest gains measured (see STEPS)
     assert 0 < summary["eval_accuracy_base"] <= 0.5 and summary["eval_version"] == STEPS
-    assert 0 <= summary["eval_accuracy"] <= 1
+    assert summary["eval_accuracy"] >= summary["eval_accuracy_base"] + 0.1, summary
+    assert summary["reward_last"] >= summary["reward_first"] + 0.08, summary
 
     # the worker swapped in version after version (not one load at the end)
     loaded = [int(v) for v in re.findall(r"loaded weights v(\d+)", (run_dir / "logs" / "rollout-0.log").read_text())]

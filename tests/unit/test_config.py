@@ -1,14 +1,20 @@
-"""Config validation, --set overrides and the run directory."""
+"""Config validation, --set overrides, the strict YAML reader and the run directory."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import stat
+from typing import Iterator
 
+import numpy as np
 import pytest
 
-from astraflow.config.loader import ConfigError, load_config, parse_config
+from astraflow.config.loader import ConfigError, load_config, load_typed, parse_config
 from astraflow.config.rundir import RunDir
+from astraflow.config.schema import Config
+from astraflow.slurm.site import SiteProfile
 from tests.conftest import BASE_CONFIG, make_run
 
 
@@ -105,3 +111,67 @@ def test_component_refuses_world_readable_secret(tmp_path):
     os.chmod(run.secret_path, 0o644)
     with pytest.raises(ConfigError, match="readable by others.*chmod 600"):
         RunDir.open(run.path)
+
+
+@contextlib.contextmanager
+def within(seconds: int) -> Iterator[None]:
+    """Fail (not hang) when the block runs longer: an alias bomb took minutes."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def refused(path, tp=Config) -> str:
+    """The loader's error for this file: a ConfigError of one line naming the file."""
+    with within(5), pytest.raises(ConfigError) as e:
+        load_typed(tp, path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{path}:"), msg
+    return msg
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path):
+    levels = [f"l0: &l0 [{', '.join(['lol'] * 9)}]"] + \
+        [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 10)]  # 9**10 strings
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BASE_CONFIG + "\n".join(levels) + "\n")
+    assert path.stat().st_size < 1024
+    assert "bomb.yaml:9: invalid YAML: alias *l0: anchors and aliases are not accepted" in refused(path)
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text(BASE_CONFIG + "dataflow: {lease_s: 5}\n")
+    assert refused(path) == f"{path}:8: invalid YAML: duplicate key 'dataflow' (first given at line 3)"
+    path.write_text("policies: [{name: a, max_staleness: 1, max_staleness: 2}]\n")  # in a flow mapping
+    assert "duplicate key 'max_staleness' (first given at line 1)" in refused(path)
+
+
+def test_binary_garbage_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "garbage.yaml"
+    path.write_bytes(b"run: {seed: 1}\n" + np.random.default_rng(0).bytes(512))
+    assert refused(path).startswith(f"{path}:2: not a YAML config: byte 0x")
+    path.write_bytes(b"run: {seed: 1}\npolicies: \x00\x01\x02\n")  # UTF-8, but no text
+    assert refused(path) == f"{path}:2: invalid YAML: character 0x0 at offset 25 is not allowed (binary data?)"
+    path.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)))  # an executable given as the profile
+    assert "not a YAML site profile" in refused(path, SiteProfile)
+
+
+def test_unknown_tags_and_deep_nesting_are_refused(tmp_path):
+    path = tmp_path / "tags.yaml"
+    path.write_text(BASE_CONFIG + "tasks2: !!python/object/apply:os.system ['touch pwned']\n")
+    assert "tags.yaml:8: invalid YAML: could not determine a constructor for the tag" in refused(path)
+    path.write_text("account: !vault secret\n")  # a site profile, through the same loader
+    assert "tags.yaml:1: invalid YAML: could not determine a constructor for the tag '!vault'" in \
+        refused(path, SiteProfile)
+    path.write_text("run: " + "[" * 2000 + "]" * 2000 + "\n")
+    assert "tags.yaml:1: invalid YAML: nested more than 64 levels deep" in refused(path)
+    path.write_text("run: {seed: [1\n")
+    assert refused(path).startswith(f"{path}:2: invalid YAML: while parsing a flow sequence; expected ',' or ']'")
