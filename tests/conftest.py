@@ -15,6 +15,7 @@ import pytest
 from astraflow.config.rundir import RunDir
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, read_rendezvous, wait_rendezvous
+from astraflow.store.writer import RowBatch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,3 +122,27 @@ def require(module: str):
     if os.environ.get("CI") == "true":
         return __import__(module)
     return pytest.importorskip(module, reason=f"{module} is not installed here (make test installs it)")
+
+
+STORE_POLICIES = ("solver", "verifier")
+
+
+def make_batch(first_id: int, n: int, tokens: int = 50, seed: int = 0) -> RowBatch:
+    """n random trajectories of `tokens` tokens for the store, sample ids from `first_id`."""
+    rng = np.random.default_rng(seed + first_id)
+    total = n * tokens
+    return RowBatch(
+        tokens={"tokens": rng.integers(0, 1 << 30, total, dtype=np.int32),
+                "logprobs": -rng.random(total, dtype=np.float32),
+                "loss_mask": rng.integers(0, 2, total).astype(np.uint8),
+                "versions": rng.integers(0, 5, total).astype(np.int32),
+                "token_policy": rng.integers(-1, 2, total).astype(np.int8)},
+        rows={"sample_id": np.arange(first_id, first_id + n, dtype=np.int64),
+              "task_id": np.full(n, first_id // n, np.int64), "episode_id": np.arange(n, dtype=np.int64),
+              "group_id": np.zeros(n, np.int64), "policy": (np.arange(n) % 2).astype(np.uint8),
+              "worker": np.full(n, b"w1", "S64"), "length": np.full(n, tokens, np.int32),
+              "reward": rng.random(n).astype(np.float32), "guided": (np.arange(n) == 2).astype(np.uint8),
+              "weight": np.ones(n, np.float32),
+              "gen_s": np.zeros(n, np.float32), "t_commit": np.full(n, 1.0), "version_min": np.zeros(n, np.int32),
+              "version_max": np.ones(n, np.int32), "version_at_commit": np.ones(n, np.int32)},
+        meta=[json.dumps({"i": first_id + i}).encode() for i in range(n)])

@@ -74,21 +74,37 @@ class ShardReader:
             self.refresh()
 
     def refresh(self) -> int:
-        """Re-read dataset extents (live shards); returns the number of complete rows."""
+        """Re-read dataset extents (live shards); returns the number of complete rows.
+
+        The row table is refreshed first, then the data: the writer appends data before rows,
+        so data seen after a row always covers it. The other order saw rows appended after the
+        data's extents were read, and called a healthy live shard corrupt in 4 of 10 refreshes.
+        A row still pointing past the data after a second look at the data is damage."""
         try:
-            for name in (*TOKEN_COLUMNS, META_COLUMN, "rows"):
-                self.file[name].refresh()
+            self.file["rows"].refresh()
             n = self.file["rows"].shape[0]
-            if n:
-                last = self.file["rows"][n - 1]
-                end = int(last["offset"]) + int(last["length"])
-                short = [c for c in TOKEN_COLUMNS if self.file[c].shape[0] < end]
-                if short or int(last["meta_offset"]) + int(last["meta_length"]) > self.file[META_COLUMN].shape[0]:
-                    raise ShardCorrupt(self.path, f"row {n - 1} points past the data of {short or [META_COLUMN]}")
+            short = self._short_of(n)
+            if short:
+                short = self._short_of(n)
+            if short:
+                raise ShardCorrupt(self.path, f"row {n - 1} points past the data of {short}")
         except (OSError, KeyError, ValueError, RuntimeError, AttributeError, TypeError) as e:
             raise ShardCorrupt(self.path, f"unreadable ({type(e).__name__}: {e})") from None
         self.n_rows = n
         return n
+
+    def _short_of(self, n: int) -> list[str]:
+        """Refresh the data's extents; the datasets too short for the first `n` rows."""
+        for name in (*TOKEN_COLUMNS, META_COLUMN):
+            self.file[name].refresh()
+        if not n:
+            return []
+        last = self.file["rows"][n - 1]
+        end = int(last["offset"]) + int(last["length"])
+        short = [c for c in TOKEN_COLUMNS if self.file[c].shape[0] < end]
+        if int(last["meta_offset"]) + int(last["meta_length"]) > self.file[META_COLUMN].shape[0]:
+            short.append(META_COLUMN)
+        return short
 
     def rows(self, columns: tuple[str, ...] = tuple(ROW_COLUMNS)) -> dict[str, np.ndarray]:
         try:

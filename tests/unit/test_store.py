@@ -1,8 +1,6 @@
 """HDF5 shards: round trip, rotation, SWMR reading, quarantine; the journal."""
 from __future__ import annotations
 
-import json
-
 import h5py
 import numpy as np
 import pytest
@@ -10,29 +8,8 @@ import pytest
 from astraflow.store.journal import Journal, replay
 from astraflow.store.reader import ShardCorrupt, ShardReader, load_rows
 from astraflow.store.shards import ShardStore
-from astraflow.store.writer import RowBatch, ShardWriter, StoreOptions, list_shards
-
-POLICIES = ("solver", "verifier")
-
-
-def make_batch(first_id: int, n: int, tokens: int = 50, seed: int = 0) -> RowBatch:
-    rng = np.random.default_rng(seed + first_id)
-    total = n * tokens
-    return RowBatch(
-        tokens={"tokens": rng.integers(0, 1 << 30, total, dtype=np.int32),
-                "logprobs": -rng.random(total, dtype=np.float32),
-                "loss_mask": rng.integers(0, 2, total).astype(np.uint8),
-                "versions": rng.integers(0, 5, total).astype(np.int32),
-                "token_policy": rng.integers(-1, 2, total).astype(np.int8)},
-        rows={"sample_id": np.arange(first_id, first_id + n, dtype=np.int64),
-              "task_id": np.full(n, first_id // n, np.int64), "episode_id": np.arange(n, dtype=np.int64),
-              "group_id": np.zeros(n, np.int64), "policy": (np.arange(n) % 2).astype(np.uint8),
-              "worker": np.full(n, b"w1", "S64"), "length": np.full(n, tokens, np.int32),
-              "reward": rng.random(n).astype(np.float32), "guided": (np.arange(n) == 2).astype(np.uint8),
-              "weight": np.ones(n, np.float32),
-              "gen_s": np.zeros(n, np.float32), "t_commit": np.full(n, 1.0), "version_min": np.zeros(n, np.int32),
-              "version_max": np.ones(n, np.int32), "version_at_commit": np.ones(n, np.int32)},
-        meta=[json.dumps({"i": first_id + i}).encode() for i in range(n)])
+from astraflow.store.writer import ShardWriter, StoreOptions, list_shards
+from tests.conftest import STORE_POLICIES as POLICIES, make_batch
 
 
 @pytest.mark.parametrize("compression", ["none", "lzf", "gzip"])
