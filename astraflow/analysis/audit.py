@@ -93,6 +93,7 @@ def audit(run_dir: str | Path) -> dict:
         "quarantined_shards": len(list((run_dir / "shards" / "quarantine").glob("*.h5"))),
         "unreadable_quarantined": unreadable,
         "unreadable_shards": list(df.attrs.get("skipped", [])),
+        "torn_rows": dict(df.attrs.get("torn", {})),  # never acknowledged: not records, not a fault
         "examples": {"lost_samples": lost_samples[:10], "unregenerated_tasks": unregenerated[:10],
                      "duplicate_tasks": [int(t) for t in np.asarray(commits[commits > 1].index)[:10]]},
     }
@@ -109,4 +110,5 @@ def format_audit(report: dict) -> str:
              f"trained twice {report['trained_twice']}, quarantined shards {report['quarantined_shards']}"]
     lines += [f"  {k}: {v}" for k, v in report["examples"].items() if v]
     lines += [f"  unreadable shard: {s}" for s in report["unreadable_shards"]]
+    lines += [f"  torn tail ignored: {n} rows of {s}" for s, n in report["torn_rows"].items()]
     return "\n".join(lines)

@@ -172,7 +172,7 @@ class DataflowState:
         # starts above every id the journal says was handed out (journalled in blocks).
         self.next_sample_id = max(self.next_sample_id, self.sample_hwm)
         self.journal.append("start", incarnation=self.incarnation, time=time.time(), first_sample=self.next_sample_id)
-        self.journal.flush()
+        self.flush()
         log.info("recovered: %d tasks done, %d samples, %d queued tasks, %d quarantined shards",
                  len(done), self.next_sample_id, len(self.tasks.queued), len(self.store.quarantined))
 
@@ -191,12 +191,18 @@ class DataflowState:
             return m.Error(e.code, str(e))
 
     def flush(self) -> None:
-        """Make everything handled so far durable. Replies may be sent only after this."""
+        """Make everything handled so far durable. Replies may be sent only after this.
+
+        The turn's writes must fit with `store.min_free_mb` to spare (the room left for logs,
+        checkpoints and weights on the same filesystem): HDF5 out of space inside a flush
+        crashed the rank (SIGSEGV) and left rows of zeros, so the rank stops before that."""
         free = shutil.disk_usage(self.run_dir).free
-        if free < self.cfg.store.min_free_mb * MB:
-            raise StoreFull(f"only {free / MB:.1f} MB free under {self.run_dir} (store.min_free_mb="
-                            f"{self.cfg.store.min_free_mb:g}): stopping before a shard or the journal is cut "
-                            f"short; nothing unflushed was acknowledged. Free some space and resume the run")
+        need = self.store.staged_bytes() + self.journal.pending_bytes()
+        if free < self.cfg.store.min_free_mb * MB + need:
+            raise StoreFull(f"only {free / MB:.1f} MB free under {self.run_dir}, this turn writes up to "
+                            f"{need / MB:.1f} MB and store.min_free_mb={self.cfg.store.min_free_mb:g} are kept "
+                            f"free: stopping before a shard or the journal is cut short; nothing unflushed was "
+                            f"acknowledged. Free some space and resume the run")
         self.store.flush()
         self.journal.flush()
 
@@ -242,8 +248,11 @@ class DataflowState:
         return self.tasks.next_deadline()
 
     def close(self) -> None:
-        self.store.close()
-        self.journal.close()
+        """Close the store and the journal. Whatever was handled since the last `flush()` was
+        never acknowledged and is dropped: after a failed flush (a full disk) writing it would
+        run into what stopped the rank."""
+        self.store.close(drop_staged=True)
+        self.journal.close(drop_pending=True)
 
     # ================================================================ workers
     def _check_protocol(self, version: int) -> None:

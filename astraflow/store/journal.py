@@ -37,7 +37,13 @@ class Journal:
         if self.fsync:
             os.fsync(self._fd)
 
-    def close(self) -> None:
+    def pending_bytes(self) -> int:
+        return sum(len(line) + 1 for line in self._pending)  # json.dumps writes ASCII
+
+    def close(self, drop_pending: bool = False) -> None:
+        """Flush what is pending and close; or, with `drop_pending`, close without writing it."""
+        if drop_pending:
+            self._pending.clear()
         self.flush()
         os.close(self._fd)
 

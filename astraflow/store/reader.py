@@ -5,13 +5,16 @@ new rows), a closed one, and one whose writer was killed (a plain open refuses i
 filesystems without POSIX write ordering (NFS) SWMR is not safe for a live shard; readers
 there should use only closed shards (`closed_only=True` in `load_rows`).
 
-A shard that cannot be opened or whose row table points outside its token arrays is
-reported as `ShardCorrupt`; the caller quarantines it.
+A shard that cannot be opened is reported as `ShardCorrupt`; the caller quarantines it. Rows
+at the end of the table that point at nothing (a write cut short: rows of zeros, rows past
+the data) are a torn tail: they are ignored and counted (`ShardReader.torn`, the
+`torn` attribute of `load_rows`), and the rows before them are kept.
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,12 +32,17 @@ class ShardCorrupt(Exception):
 
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+LIVE_LOOKS, LIVE_LOOK_S = 3, 0.005  # further looks at a growing shard's rows before calling them torn
 
 
-def check_not_truncated(path: Path) -> None:
-    """Refuse a shard shorter than the end-of-file address its superblock records.
+SWMR_WRITE_FLAGS = 0x05  # superblock v3 consistency flags of a file open for SWMR writing
 
-    HDF5 checks this itself on a normal open, but not in SWMR-read mode (the file may be
+
+def check_not_truncated(path: Path) -> bool:
+    """Refuse a shard shorter than the end-of-file address its superblock records; returns
+    whether the superblock marks it as open for SWMR writing (live, or its writer died).
+
+    HDF5 checks the size itself on a normal open, but not in SWMR-read mode (the file may be
     growing), where reading a truncated file retries its metadata reads for minutes instead
     of failing. Superblock v2/v3 (what `libver="latest"` writes): signature(8), version(1),
     sizeof offsets(1), sizeof lengths(1), flags(1), then base, extension, end-of-file addresses.
@@ -47,20 +55,23 @@ def check_not_truncated(path: Path) -> None:
         raise ShardCorrupt(path, f"cannot read: {e.strerror}") from None
     if head[:8] != HDF5_SIGNATURE:
         raise ShardCorrupt(path, "not an HDF5 file (bad signature)")
-    if head[8] in (2, 3):
-        width = head[9]
-        at = 12 + 2 * width
-        eoa = int.from_bytes(head[at:at + width], "little")
-        if size < eoa:
-            raise ShardCorrupt(path, f"truncated: {size} bytes on disk, the superblock records {eoa}")
+    if len(head) < 12 or head[8] not in (2, 3):
+        return False
+    width = head[9]
+    at = 12 + 2 * width
+    eoa = int.from_bytes(head[at:at + width], "little")
+    if size < eoa:
+        raise ShardCorrupt(path, f"truncated: {size} bytes on disk, the superblock records {eoa}")
+    return head[11] & SWMR_WRITE_FLAGS == SWMR_WRITE_FLAGS
 
 
 class ShardReader:
     def __init__(self, path: Path, locking: bool = False, file: h5py.File | None = None) -> None:
         """`locking` must match any other open handle of the same file in this process (HDF5 rule)."""
         self.path = Path(path)
-        if file is None:
-            check_not_truncated(self.path)
+        # a shard marked open for SWMR writing may be growing: a row that points at nothing
+        # is looked at again before it is called torn (see `refresh`)
+        self.writing = check_not_truncated(self.path) if file is None else True
         try:
             self.file = file if file is not None else h5py.File(self.path, "r", swmr=True, locking=locking)
             version = int(self.file.attrs["schema_version"])
@@ -70,41 +81,67 @@ class ShardReader:
         if version not in READABLE_VERSIONS:
             raise ShardCorrupt(self.path, f"schema_version {version}, this code reads {list(READABLE_VERSIONS)}")
         self.n_rows = 0
+        self.torn = 0  # rows after the good ones that point at nothing (see `refresh`)
+        self._ends = (0, 0)  # where the last good row's tokens and metadata end
         if file is None:  # a reader over the writer's own open file needs no refresh
             self.refresh()
 
     def refresh(self) -> int:
-        """Re-read dataset extents (live shards); returns the number of complete rows.
+        """Re-read dataset extents (live shards); returns the number of good rows.
 
         The row table is refreshed first, then the data: the writer appends data before rows,
         so data seen after a row always covers it. The other order saw rows appended after the
         data's extents were read, and called a healthy live shard corrupt in 4 of 10 refreshes.
-        A row still pointing past the data after a second look at the data is damage."""
+
+        Rows are checked as they appear (`_good_prefix`); from the first one that points at
+        nothing on, the rest of the table is a torn tail (`torn`): not read, not counted. In a
+        shard that may be growing the rows and the data are read again (`LIVE_LOOKS` times)
+        before a row is called torn — HDF5 may publish a new extent before the data under it,
+        which read as zeros in 1 of ~2,000 refreshes — and a torn tail is looked at again at
+        the next refresh."""
         try:
             self.file["rows"].refresh()
             n = self.file["rows"].shape[0]
-            short = self._short_of(n)
-            if short:
-                short = self._short_of(n)
-            if short:
-                raise ShardCorrupt(self.path, f"row {n - 1} points past the data of {short}")
+            if n < self.n_rows:
+                raise ShardCorrupt(self.path, f"the row table shrank from {self.n_rows} rows to {n}")
+            for look in range(1 + LIVE_LOOKS * self.writing):
+                if look:
+                    time.sleep(LIVE_LOOK_S)
+                new = self.file["rows"][self.n_rows:n]
+                good = self._good_prefix(new)
+                if good == len(new):
+                    break
+        except ShardCorrupt:
+            raise
         except (OSError, KeyError, ValueError, RuntimeError, AttributeError, TypeError) as e:
             raise ShardCorrupt(self.path, f"unreadable ({type(e).__name__}: {e})") from None
-        self.n_rows = n
-        return n
+        if good:
+            last = new[good - 1]
+            self._ends = (int(last["offset"]) + int(last["length"]), int(last["meta_offset"]) + int(last["meta_length"]))
+        self.n_rows += good
+        self.torn = len(new) - good
+        return self.n_rows
 
-    def _short_of(self, n: int) -> list[str]:
-        """Refresh the data's extents; the datasets too short for the first `n` rows."""
+    def _good_prefix(self, new: np.ndarray) -> int:
+        """Refresh the data's extents; how many of the `new` rows (following the good ones) are good.
+
+        A good row has at least one token, starts where the previous row's tokens and metadata
+        end (the writer lays them out back to back), lies inside the data and names a policy of
+        the shard. A write cut short (ENOSPC inside HDF5) left rows of zeros: sample 0, no
+        tokens, offset 0."""
         for name in (*TOKEN_COLUMNS, META_COLUMN):
             self.file[name].refresh()
-        if not n:
-            return []
-        last = self.file["rows"][n - 1]
-        end = int(last["offset"]) + int(last["length"])
-        short = [c for c in TOKEN_COLUMNS if self.file[c].shape[0] < end]
-        if int(last["meta_offset"]) + int(last["meta_length"]) > self.file[META_COLUMN].shape[0]:
-            short.append(META_COLUMN)
-        return short
+        if not len(new):
+            return 0
+        tokens = min(self.file[c].shape[0] for c in TOKEN_COLUMNS)
+        meta = self.file[META_COLUMN].shape[0]
+        length, meta_length = new["length"].astype(np.int64), new["meta_length"].astype(np.int64)
+        start = self._ends[0] + np.concatenate([[0], np.cumsum(length)[:-1]])
+        meta_start = self._ends[1] + np.concatenate([[0], np.cumsum(meta_length)[:-1]])
+        good = ((length >= 1) & (meta_length >= 0) & (new["offset"] == start) & (new["meta_offset"] == meta_start)
+                & (start + length <= tokens) & (meta_start + meta_length <= meta)
+                & (new["policy"] < len(self.policy_names)))
+        return len(new) if good.all() else int(np.argmin(good))
 
     def rows(self, columns: tuple[str, ...] = tuple(ROW_COLUMNS)) -> dict[str, np.ndarray]:
         try:
@@ -145,11 +182,12 @@ def load_rows(run_dir: str | Path, closed_only: bool = False) -> "Any":
     """All stored trajectories of a run as a pandas DataFrame (one row per trajectory).
 
     Columns: the row table plus `policy` as a name, `shard`, `row`. Skips unreadable shards
-    (they are listed in `df.attrs["skipped"]`).
+    (they are listed in `df.attrs["skipped"]`) and torn tails (`df.attrs["torn"]`: shard name
+    -> rows ignored).
     """
     import pandas as pd
 
-    frames, skipped = [], []
+    frames, skipped, torn = [], [], {}
     shards = list(iter_shards(Path(run_dir)))
     if closed_only and shards:
         shards = shards[:-1]
@@ -166,6 +204,8 @@ def load_rows(run_dir: str | Path, closed_only: bool = False) -> "Any":
             continue
         finally:
             reader.close()
+        if reader.torn:
+            torn[path.name] = reader.torn
         df = pd.DataFrame({k: v for k, v in cols.items()})
         df["policy"] = [reader.policy_names[i] for i in cols["policy"]]
         df["worker"] = df["worker"].str.decode("utf-8")
@@ -174,6 +214,7 @@ def load_rows(run_dir: str | Path, closed_only: bool = False) -> "Any":
         frames.append(df)
     out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(ROW_COLUMNS))
     out.attrs["skipped"] = skipped
+    out.attrs["torn"] = torn
     return out
 
 

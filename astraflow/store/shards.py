@@ -2,7 +2,9 @@
 
 `recover()` opens every existing shard read-only and yields its row table; a shard that
 cannot be read is moved to `shards/quarantine/` and reported, so its tasks count as never
-committed and are handed out again. A new active shard is then started (the old ones are
+committed and are handed out again. Rows of a torn tail (reader.py) are left out, logged
+and counted in `torn_rows`: their commits were never acknowledged, their tasks are handed
+out again. A new active shard is then started (the old ones are
 never written again). Locations are `(shard_index, row)` pairs.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ShardStore:
         self.policy_names = policy_names
         self.opts = opts
         self.quarantined: list[str] = []
+        self.torn_rows: dict[str, int] = {}  # shard name -> rows of a torn tail, ignored
         self._readers: dict[int, ShardReader] = {}
         self._writer: ShardWriter | None = None
         self._writer_index = -1
@@ -46,6 +49,10 @@ class ShardStore:
                 reader.close()
                 self._quarantine(path, f"policy list {reader.policy_names} does not match the run's")
                 continue
+            if reader.torn:
+                self.torn_rows[path.name] = reader.torn
+                log.warning("shard %s: its last %d rows point at nothing (a write cut short, never acknowledged): "
+                            "ignored; the %d rows before them are kept", path.name, reader.torn, reader.n_rows)
             self._readers[idx] = reader
             yield idx, reader, rows
 
@@ -78,6 +85,10 @@ class ShardStore:
             self._writer.close()
             self._writer = None
 
+    def staged_bytes(self) -> int:
+        """An upper bound of what the next `flush()` writes."""
+        return self._writer.staged_bytes() if self._writer is not None else 0
+
     @property
     def active_shard(self) -> str | None:
         return self._writer.path.name if self._writer else None
@@ -94,9 +105,9 @@ class ShardStore:
             reader = self._readers[idx] = ShardReader(self.dir / shard_name(idx), locking=self.opts.locking)
         return reader.trajectory(row)
 
-    def close(self) -> None:
+    def close(self, drop_staged: bool = False) -> None:
         if self._writer is not None:
-            self._writer.close()
+            self._writer.close(drop_staged)
             self._writer = None
         for r in self._readers.values():
             r.close()

@@ -1,19 +1,26 @@
-"""Storage failures: the run directory's filesystem fills up; a shard is truncated and a
-weight file overwritten with garbage while the run is stopped. Real files on a real
-size-limited tmpfs (root needed; under CI=true these tests run and never skip)."""
+"""Storage failures: the run directory's filesystem fills up (a whole run; the rank's own
+flush with no margin left); a shard is truncated and a weight file overwritten with garbage
+while the run is stopped. Real files on a real size-limited tmpfs (root needed; under
+CI=true these tests run and never skip)."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from astraflow.analysis.audit import lineage
+from astraflow.analysis.audit import audit, lineage
+from astraflow.bench.payload import random_trajectory
+from astraflow.dataflow.state import DataflowState, StoreFull
+from astraflow.protocol import messages as m
 from astraflow.store.reader import ShardCorrupt, ShardReader, iter_shards, load_rows
 from tests.chaos.harness import check_ledgers_and_audit, finish, resume, start, wait_steps
+from tests.conftest import make_run
 
 pytestmark = pytest.mark.chaos
 
@@ -40,6 +47,44 @@ def fill(directory: Path) -> Path:
         except OSError:
             pass
     return filler
+
+
+def commit_group(state: DataflowState, worker: str, task: int, tokens: int) -> None:
+    rng = np.random.default_rng(task)
+    trajs = [random_trajectory(rng, "policy", tokens, prompt_tokens=2, reward=float(i % 2), group_id=task)
+             for i in range(4)]
+    reply = state.handle(m.Commit(worker, task, m.TrajectoryBatch.from_trajectories(trajs)))
+    assert reply.status == "stored", reply
+
+
+def test_with_no_margin_a_turn_that_does_not_fit_never_reaches_hdf5(small_fs):
+    """`store.min_free_mb: 0`: the guard still holds for what the turn staged. Without it HDF5
+    ran out of space inside a flush, the rank died of SIGSEGV and left rows of zeros."""
+    run = make_run(small_fs, ["store.min_free_mb=0", "tasks.group_size=4"])
+    state = DataflowState(run.path, run.config)
+    state.recover()
+    worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 4)).worker_id
+    tasks = [t.task_id for t in state.handle(m.Lease(worker, 3)).tasks]
+    commit_group(state, worker, tasks[0], tokens=1000)
+    state.flush()
+    filler = small_fs / "filler"
+    filler.write_bytes(b"\0" * (shutil.disk_usage(small_fs).free - (2 << 20)))  # 2 MB left
+    commit_group(state, worker, tasks[1], tokens=100_000)  # 4 x 100k tokens: 5.6 MB staged
+    with pytest.raises(StoreFull, match=r"MB free .* this turn writes up to"):
+        state.flush()
+    state.close()  # drops what was never acknowledged instead of writing it into the full disk
+    filler.unlink()
+    (shard,) = iter_shards(run.path)
+    reader = ShardReader(shard)
+    assert (reader.n_rows, reader.torn) == (4, 0)  # the flushed group, nothing of the refused one
+    reader.close()
+    state = DataflowState(run.path, run.config)
+    state.recover()
+    assert state.tasks.done == {tasks[0]} and not state.store.quarantined
+    commit_group(state, worker, tasks[1], tokens=100_000)  # the worker's retry, now that there is room
+    state.flush()
+    state.close()
+    assert audit(run.path)["ok"] and len(load_rows(run.path)) == 8
 
 
 def test_full_filesystem_stops_the_run_cleanly_and_it_resumes_when_there_is_room(tmp_path, small_fs):

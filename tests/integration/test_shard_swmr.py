@@ -1,5 +1,6 @@
 """A shard read while its writer appends (SWMR): a reader that refreshes a healthy live shard
-must never call it corrupt, nor lose rows it saw, nor see a row whose data is not there yet.
+must never call it corrupt or torn, nor lose rows it saw, nor see a row whose data is not
+there yet.
 
 The writer is a real process (`tests.integration.shard_appender`) flushing after every batch,
 as the dataflow rank does; the reader is this process, as `astraflow inspect` and `audit` are.
@@ -27,7 +28,7 @@ def test_refreshing_a_live_shard_never_reports_it_corrupt(tmp_path):
     try:
         assert writer.stdout.readline().strip() == "ready", writer.communicate()[1][-3000:]
         reader = ShardReader(path)
-        refreshes, corrupt, seen = 0, [], 0
+        refreshes, corrupt, torn, seen = 0, [], 0, 0
         while writer.poll() is None:
             try:
                 n = reader.refresh()
@@ -37,6 +38,7 @@ def test_refreshing_a_live_shard_never_reports_it_corrupt(tmp_path):
             finally:
                 refreshes += 1
             assert n >= seen, f"refresh {refreshes}: {n} rows after {seen}"
+            torn += reader.torn > 0
             if n > seen:  # the newest row's data is readable and is the row's own
                 last = reader.trajectory(n - 1)
                 assert last["sample_id"] == n - 1 and len(last["tokens"]) == last["length"]
@@ -48,7 +50,8 @@ def test_refreshing_a_live_shard_never_reports_it_corrupt(tmp_path):
     finally:
         if writer.poll() is None:
             writer.kill()
-    print(f"{refreshes} refreshes, {len(corrupt)} reported corrupt, {final} rows")
+    print(f"{refreshes} refreshes, {len(corrupt)} reported corrupt, {torn} with a torn tail, {final} rows")
     assert refreshes >= 1000, f"only {refreshes} refreshes while the writer ran: the test proved little"
     assert not corrupt, f"{len(corrupt)} of {refreshes} refreshes called a healthy live shard corrupt: {corrupt[:3]}"
+    assert torn == 0, f"{torn} of {refreshes} refreshes saw rows of a healthy live shard as a torn tail"
     assert final == BATCHES * ROWS

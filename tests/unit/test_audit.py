@@ -10,6 +10,7 @@ import pytest
 
 from astraflow.analysis.audit import audit
 from astraflow.bench.payload import random_trajectory
+from astraflow.config.rundir import RunDir
 from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
 from astraflow.store.writer import list_shards
@@ -65,3 +66,21 @@ def test_a_sample_trained_in_two_steps_is_reported(trained_run):
     journal.write_text("\n".join(lines + [step1.replace('"step": 1', '"step": 3').replace('"step":1', '"step":3')]) + "\n")
     report = audit(trained_run)
     assert not report["ok"] and report["trained_twice"] == 16
+
+
+def test_rows_of_zeros_left_by_a_write_cut_short_are_neither_records_nor_duplicates(trained_run, caplog):
+    """ENOSPC inside HDF5 extended the row table over 8 rows it never wrote (zeros): recovery
+    had taken them for 8 more copies of sample 0, and audit counted 9 duplicates."""
+    (shard,) = list_shards(trained_run / "shards")
+    with h5py.File(shard, "r+", libver="latest") as f:
+        f["rows"].resize((f["rows"].shape[0] + 8,))
+    report = audit(trained_run)
+    assert report["ok"] and report["duplicates"] == 0 and report["committed"] == 32
+    assert report["torn_rows"] == {shard.name: 8}
+    state = DataflowState(trained_run, RunDir.open(trained_run).config, clock=lambda: 1000.0)
+    state.recover()
+    status = state.handle(m.Status()).status
+    assert status["store"]["torn_rows"] == {shard.name: 8} and not status["store"]["quarantined"]
+    assert status["tasks"]["done"] == 8 and status["policies"]["policy"]["stored"] == 32
+    assert "its last 8 rows point at nothing" in caplog.text
+    state.close()
