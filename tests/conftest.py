@@ -146,3 +146,38 @@ def make_batch(first_id: int, n: int, tokens: int = 50, seed: int = 0) -> RowBat
               "gen_s": np.zeros(n, np.float32), "t_commit": np.full(n, 1.0), "version_min": np.zeros(n, np.int32),
               "version_max": np.ones(n, np.int32), "version_at_commit": np.ones(n, np.int32)},
         meta=[json.dumps({"i": first_id + i}).encode() for i in range(n)])
+
+
+def trained_run_dir(tmp_path: Path, killed: bool = False, steps: int = 2) -> Path:
+    """A run directory written by the dataflow rank's state machine: eight tasks committed,
+    `steps` trainer steps of 16 samples consumed, everything flushed. With `killed`, its shard
+    is as a killed rank leaves it (copied while still open for writing, SWMR flags set)."""
+    from astraflow.bench.payload import random_trajectory
+    from astraflow.dataflow.state import DataflowState
+    from astraflow.store.writer import list_shards
+
+    run = make_run(tmp_path, ["tasks.group_size=4"])
+    state = DataflowState(run.path, run.config, clock=lambda: 1000.0)
+    state.recover()
+    worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 8)).worker_id
+    rng = np.random.default_rng(0)
+    for task in state.handle(m.Lease(worker, 8)).tasks:
+        trajs = [random_trajectory(rng, "policy", 8, prompt_tokens=2, reward=float(i % 2), group_id=task.task_id)
+                 for i in range(4)]
+        state.handle(m.Commit(worker, task.task_id, m.TrajectoryBatch.from_trajectories(trajs)))
+    for step in range(1, steps + 1):
+        ids = state.handle(m.Batch("policy", step, 16, 0, 1, step - 1)).sample_ids.tolist()
+        state.handle(m.Published("policy", step, f"file:///x/v{step}", []))
+        state.handle(m.Consumed("policy", step, ids))
+    state.flush()
+    (shard,) = list_shards(run.path / "shards")
+    open_copy = shard.read_bytes()
+    state.close()
+    if killed:
+        shard.write_bytes(open_copy)
+    return run.path
+
+
+@pytest.fixture
+def trained_run(tmp_path: Path) -> Path:
+    return trained_run_dir(tmp_path)

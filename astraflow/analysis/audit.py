@@ -29,7 +29,7 @@ def _quarantined_tasks(run_dir: Path) -> tuple[set[int], set[int], list[str]]:
     unreadable = []
     for path in sorted((run_dir / "shards" / "quarantine").glob("*.h5")):
         try:
-            reader = ShardReader(path)
+            reader = ShardReader(path, writer_alive=False)  # nothing writes a quarantined shard
             rows = reader.rows(("task_id", "sample_id"))
             reader.close()
         except ShardCorrupt:
@@ -51,7 +51,7 @@ def lineage(run_dir: Path) -> dict[tuple[str, int], dict]:
 
 def audit(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
-    df = load_rows(run_dir)
+    df = load_rows(run_dir, verify=True)  # a shard whose data cannot be found has lost it
     commits = df.groupby(["task_id", "worker", "t_commit"]).size().groupby("task_id").size()
     duplicate_commits = int((commits - 1).sum())
     duplicate_samples = int(df["sample_id"].duplicated().sum())

@@ -33,7 +33,9 @@ from astraflow.tasks.sources import TaskSource
 from astraflow.dataflow.weights import WeightRegistry
 from astraflow.dataflow.workers import WorkerRegistry
 from astraflow.protocol import messages as m
+from astraflow.store.errors import StoreStop
 from astraflow.store.journal import Journal, replay
+from astraflow.store.reader import ShardCorrupt
 from astraflow.store.schema import TOKEN_COLUMNS
 from astraflow.store.shards import ShardStore
 from astraflow.store.writer import RowBatch, StoreOptions
@@ -48,8 +50,13 @@ STARVING_S = 30.0  # a trainer waiting this long for a batch gets a warning sayi
 MB = 1 << 20
 
 
-class StoreFull(Exception):
+class StoreFull(StoreStop):
     """The run directory's filesystem is (nearly) full: the rank stops before writing."""
+
+
+class ShardDamaged(StoreStop):
+    """A shard could not be read back while serving: the rank records it in the journal and
+    stops; its restart quarantines the shard (its tasks are handed out again)."""
 
 
 class RequestError(Exception):
@@ -104,10 +111,14 @@ class DataflowState:
 
     # ================================================================ recovery
     def recover(self) -> None:
+        # the journal first: it names shards found damaged while serving, which go to quarantine
+        events = list(replay(self.run_dir / "journal"))
+        damaged = {ev["shard"]: f"found damaged while serving: {ev['why']}"
+                   for ev in events if ev.get("ev") == "damaged"}
         infos: dict[str, dict[int, SampleInfo]] = {p: {} for p in self.policy_names}
         groups: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
         done: set[int] = set()
-        for idx, reader, rows in self.store.recover():
+        for idx, reader, rows in self.store.recover(damaged):
             names = reader.policy_names
             for r in range(len(rows["sample_id"])):
                 sid, tid = int(rows["sample_id"][r]), int(rows["task_id"][r])
@@ -131,7 +142,7 @@ class DataflowState:
         for tid, zero in uninformative.items():  # in task order, as the tasks were committed (about)
             self.selection.observe(tid, zero)
         high_water = 0
-        for ev in replay(self.run_dir / "journal"):
+        for ev in events:
             kind = ev.get("ev")
             if kind == "start":
                 self.incarnation = ev["incarnation"]
@@ -494,7 +505,15 @@ class DataflowState:
     def _payload(self, info: SampleInfo) -> tuple[m.TrajectoryBatch, int]:
         """Where a sample's trajectory is in memory; read back from its shard if it is not."""
         if info.payload is None:
-            rec = self.store.read(info.loc)
+            try:
+                rec = self.store.read(info.loc)
+            except ShardCorrupt as e:
+                # written now: the restart must learn of it, and nothing else is acknowledged
+                self.journal.append("damaged", shard=e.path.name, why=e.why, time=time.time())
+                self.journal.flush()
+                raise ShardDamaged(f"{e.path.name} cannot be read back ({e.why}); recorded in the journal: the "
+                                   f"rank stops and its restart quarantines the shard (its tasks are handed "
+                                   f"out again)") from None
             traj = m.Trajectory(rec["policy"], rec["tokens"], rec["logprobs"], rec["loss_mask"], rec["versions"],
                                 rec["token_policy"], rec["reward"], rec["episode_id"], rec["group_id"], rec["gen_s"],
                                 rec["meta"])

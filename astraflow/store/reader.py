@@ -12,6 +12,7 @@ the data) are a torn tail: they are ignored and counted (`ShardReader.torn`, the
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -22,6 +23,7 @@ import h5py
 import numpy as np
 
 from astraflow.store.schema import META_COLUMN, MISSING_DEFAULTS, READABLE_VERSIONS, ROW_COLUMNS, TOKEN_COLUMNS
+from astraflow.store.swmr import LIVE_READ_ATTEMPTS, open_swmr
 from astraflow.store.writer import list_shards
 
 
@@ -66,18 +68,21 @@ def check_not_truncated(path: Path) -> bool:
 
 
 class ShardReader:
-    def __init__(self, path: Path, locking: bool = False, file: h5py.File | None = None) -> None:
-        """`locking` must match any other open handle of the same file in this process (HDF5 rule)."""
+    def __init__(self, path: Path, locking: bool = False, file: h5py.File | None = None,
+                 writer_alive: bool = True) -> None:
+        """`locking` must match any other open handle of the same file in this process (HDF5 rule).
+
+        `writer_alive=False` (the dataflow rank's recovery: the only writer is not running) reads
+        every shard as finished: a bad metadata checksum is damage at once (see swmr.py)."""
         self.path = Path(path)
         # a shard marked open for SWMR writing may be growing: a row that points at nothing
         # is looked at again before it is called torn (see `refresh`)
-        self.writing = check_not_truncated(self.path) if file is None else True
-        try:
-            self.file = file if file is not None else h5py.File(self.path, "r", swmr=True, locking=locking)
+        self.writing = (check_not_truncated(self.path) and writer_alive) if file is None else True
+        with self._damage("cannot open"):
+            self.file = file if file is not None else open_swmr(
+                self.path, LIVE_READ_ATTEMPTS if self.writing else 1, locking)
             version = int(self.file.attrs["schema_version"])
             self.policy_names = tuple(p.decode() for p in self.file.attrs["policy_names"])
-        except (OSError, KeyError, ValueError) as e:
-            raise ShardCorrupt(self.path, f"cannot open: {e}") from None
         if version not in READABLE_VERSIONS:
             raise ShardCorrupt(self.path, f"schema_version {version}, this code reads {list(READABLE_VERSIONS)}")
         self.n_rows = 0
@@ -85,6 +90,18 @@ class ShardReader:
         self._ends = (0, 0)  # where the last good row's tokens and metadata end
         if file is None:  # a reader over the writer's own open file needs no refresh
             self.refresh()
+
+    @contextlib.contextmanager
+    def _damage(self, what: str) -> Iterator[None]:
+        """Any failure to read this file is damage to it, reported as `ShardCorrupt`: h5py turns
+        HDF5's errors into OSError, KeyError, ValueError, RuntimeError, TypeError, ... by call
+        (a damaged object header made `attrs` raise RuntimeError, which crashed recovery)."""
+        try:
+            yield
+        except ShardCorrupt:
+            raise
+        except Exception as e:  # noqa: BLE001 - see above
+            raise ShardCorrupt(self.path, f"{what} ({type(e).__name__}: {e})") from None
 
     def refresh(self) -> int:
         """Re-read dataset extents (live shards); returns the number of good rows.
@@ -99,7 +116,7 @@ class ShardReader:
         before a row is called torn — HDF5 may publish a new extent before the data under it,
         which read as zeros in 1 of ~2,000 refreshes — and a torn tail is looked at again at
         the next refresh."""
-        try:
+        with self._damage("unreadable"):
             self.file["rows"].refresh()
             n = self.file["rows"].shape[0]
             if n < self.n_rows:
@@ -111,13 +128,10 @@ class ShardReader:
                 good = self._good_prefix(new)
                 if good == len(new):
                     break
-        except ShardCorrupt:
-            raise
-        except (OSError, KeyError, ValueError, RuntimeError, AttributeError, TypeError) as e:
-            raise ShardCorrupt(self.path, f"unreadable ({type(e).__name__}: {e})") from None
         if good:
             last = new[good - 1]
-            self._ends = (int(last["offset"]) + int(last["length"]), int(last["meta_offset"]) + int(last["meta_length"]))
+            self._ends = (int(last["offset"]) + int(last["length"]),
+                          int(last["meta_offset"]) + int(last["meta_length"]))
         self.n_rows += good
         self.torn = len(new) - good
         return self.n_rows
@@ -144,24 +158,30 @@ class ShardReader:
         return len(new) if good.all() else int(np.argmin(good))
 
     def rows(self, columns: tuple[str, ...] = tuple(ROW_COLUMNS)) -> dict[str, np.ndarray]:
-        try:
+        with self._damage("row table unreadable"):
             table = self.file["rows"][: self.n_rows]
             return {c: _column(table, c) for c in columns}
-        except (OSError, ValueError, RuntimeError) as e:
-            raise ShardCorrupt(self.path, f"row table unreadable: {e}") from None
+
+    def verify(self) -> None:
+        """Walk the chunk index of every data dataset (metadata only, no data is read), so that
+        damage there is found now, at recovery, and not when a sample is served."""
+        with self._damage("chunk index unreadable"):
+            for name in (*TOKEN_COLUMNS, META_COLUMN):
+                self.file[name].id.chunk_iter(lambda chunk: None)
 
     def trajectory(self, row: int) -> dict[str, Any]:
         """One stored row with its per-token arrays and decoded metadata."""
-        rec = self.file["rows"][row]
-        r = {c: _column(rec, c) for c in ROW_COLUMNS}
-        lo, n = int(r["offset"]), int(r["length"])
-        out: dict[str, Any] = {c: self.file[c][lo:lo + n] for c in TOKEN_COLUMNS}
-        mlo, mn = int(r["meta_offset"]), int(r["meta_length"])
-        out["meta"] = json.loads(self.file[META_COLUMN][mlo:mlo + mn].tobytes() or b"{}")
-        out.update({k: v.item() if hasattr(v, "item") else v for k, v in r.items()})
-        out["worker"] = r["worker"].decode()
-        out["policy"] = self.policy_names[int(r["policy"])]
-        return out
+        with self._damage(f"row {row} unreadable"):
+            rec = self.file["rows"][row]
+            r = {c: _column(rec, c) for c in ROW_COLUMNS}
+            lo, n = int(r["offset"]), int(r["length"])
+            out: dict[str, Any] = {c: self.file[c][lo:lo + n] for c in TOKEN_COLUMNS}
+            mlo, mn = int(r["meta_offset"]), int(r["meta_length"])
+            out["meta"] = json.loads(self.file[META_COLUMN][mlo:mlo + mn].tobytes() or b"{}")
+            out.update({k: v.item() if hasattr(v, "item") else v for k, v in r.items()})
+            out["worker"] = r["worker"].decode(errors="replace")
+            out["policy"] = self.policy_names[int(r["policy"])]
+            return out
 
     def close(self) -> None:
         self.file.close()
@@ -178,12 +198,13 @@ def iter_shards(run_dir: Path) -> Iterator[Path]:
     yield from list_shards(Path(run_dir) / "shards")
 
 
-def load_rows(run_dir: str | Path, closed_only: bool = False) -> "Any":
+def load_rows(run_dir: str | Path, closed_only: bool = False, verify: bool = False) -> "Any":
     """All stored trajectories of a run as a pandas DataFrame (one row per trajectory).
 
     Columns: the row table plus `policy` as a name, `shard`, `row`. Skips unreadable shards
     (they are listed in `df.attrs["skipped"]`) and torn tails (`df.attrs["torn"]`: shard name
-    -> rows ignored).
+    -> rows ignored). With `verify`, a shard whose data cannot be found (its chunk index is
+    damaged, `ShardReader.verify`) is skipped too.
     """
     import pandas as pd
 
@@ -199,6 +220,8 @@ def load_rows(run_dir: str | Path, closed_only: bool = False) -> "Any":
             continue
         try:
             cols = reader.rows()
+            if verify:
+                reader.verify()
         except ShardCorrupt as e:
             skipped.append(str(e))
             continue
@@ -208,7 +231,7 @@ def load_rows(run_dir: str | Path, closed_only: bool = False) -> "Any":
             torn[path.name] = reader.torn
         df = pd.DataFrame({k: v for k, v in cols.items()})
         df["policy"] = [reader.policy_names[i] for i in cols["policy"]]
-        df["worker"] = df["worker"].str.decode("utf-8")
+        df["worker"] = df["worker"].str.decode("utf-8", errors="replace")  # damaged bytes are no reason to fail
         df["shard"] = path.name
         df["row"] = np.arange(len(df))
         frames.append(df)

@@ -36,13 +36,23 @@ class ShardStore:
         self._writer_reader: ShardReader | None = None
 
     # ------------------------------------------------------------- recovery
-    def recover(self) -> Iterator[tuple[int, ShardReader, dict[str, np.ndarray]]]:
+    def recover(self, damaged: dict[str, str] | None = None
+                ) -> Iterator[tuple[int, ShardReader, dict[str, np.ndarray]]]:
+        """Yield (index, reader, row table) of every good shard; quarantine the rest, and the
+        shards named in `damaged` (name -> why: found unreadable while serving)."""
         for path in list_shards(self.dir):
             idx = shard_index(path)
+            if damaged and path.name in damaged:
+                self._quarantine(path, damaged[path.name])
+                continue
+            reader = None
             try:
-                reader = ShardReader(path, locking=self.opts.locking)
+                reader = ShardReader(path, locking=self.opts.locking, writer_alive=False)
                 rows = reader.rows()
+                reader.verify()
             except ShardCorrupt as e:
+                if reader is not None:
+                    reader.close()
                 self._quarantine(path, e.why)
                 continue
             if reader.policy_names != self.policy_names[: len(reader.policy_names)]:

@@ -5,37 +5,12 @@ from __future__ import annotations
 import shutil
 
 import h5py
-import numpy as np
-import pytest
 
 from astraflow.analysis.audit import audit
-from astraflow.bench.payload import random_trajectory
 from astraflow.config.rundir import RunDir
 from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
 from astraflow.store.writer import list_shards
-from tests.conftest import make_run
-
-
-@pytest.fixture
-def trained_run(tmp_path):
-    """Eight tasks committed, two trainer steps of 16 samples consumed, everything flushed."""
-    run = make_run(tmp_path, ["tasks.group_size=4"])
-    state = DataflowState(run.path, run.config, clock=lambda: 1000.0)
-    state.recover()
-    worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 8)).worker_id
-    rng = np.random.default_rng(0)
-    for task in state.handle(m.Lease(worker, 8)).tasks:
-        trajs = [random_trajectory(rng, "policy", 8, prompt_tokens=2, reward=float(i % 2), group_id=task.task_id)
-                 for i in range(4)]
-        state.handle(m.Commit(worker, task.task_id, m.TrajectoryBatch.from_trajectories(trajs)))
-    for step in (1, 2):
-        ids = state.handle(m.Batch("policy", step, 16, 0, 1, step - 1)).sample_ids.tolist()
-        state.handle(m.Published("policy", step, f"file:///x/v{step}", []))
-        state.handle(m.Consumed("policy", step, ids))
-    state.flush()
-    state.close()
-    return run.path
 
 
 def test_audit_of_an_intact_run_is_ok(trained_run):
