@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from astraflow.store.errors import StoreRefused
 from astraflow.store.journal import replay
 from astraflow.store.reader import ShardCorrupt, ShardReader, load_rows
 
@@ -32,7 +33,7 @@ def _quarantined_tasks(run_dir: Path) -> tuple[set[int], set[int], list[str]]:
             reader = ShardReader(path, writer_alive=False)  # nothing writes a quarantined shard
             rows = reader.rows(("task_id", "sample_id"))
             reader.close()
-        except ShardCorrupt:
+        except (ShardCorrupt, StoreRefused):
             unreadable.append(path.name)
             continue
         tasks.update(int(t) for t in rows["task_id"])

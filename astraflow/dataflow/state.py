@@ -33,7 +33,7 @@ from astraflow.tasks.sources import TaskSource
 from astraflow.dataflow.weights import WeightRegistry
 from astraflow.dataflow.workers import WorkerRegistry
 from astraflow.protocol import messages as m
-from astraflow.store.errors import StoreStop
+from astraflow.store.errors import StoreRefused, StoreStop
 from astraflow.store.journal import Journal, replay
 from astraflow.store.reader import ShardCorrupt
 from astraflow.store.schema import TOKEN_COLUMNS
@@ -115,10 +115,13 @@ class DataflowState:
         events = list(replay(self.run_dir / "journal"))
         damaged = {ev["shard"]: f"found damaged while serving: {ev['why']}"
                    for ev in events if ev.get("ev") == "damaged"}
+        # a config that no longer matches the stored data is refused before anything is moved
+        shards = self.store.recover(damaged)
+        self._check_journal_policies(events)
         infos: dict[str, dict[int, SampleInfo]] = {p: {} for p in self.policy_names}
         groups: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
         done: set[int] = set()
-        for idx, reader, rows in self.store.recover(damaged):
+        for idx, reader, rows in shards:
             names = reader.policy_names
             for r in range(len(rows["sample_id"])):
                 sid, tid = int(rows["sample_id"][r]), int(rows["task_id"][r])
@@ -186,6 +189,15 @@ class DataflowState:
         self.flush()
         log.info("recovered: %d tasks done, %d samples, %d queued tasks, %d quarantined shards",
                  len(done), self.next_sample_id, len(self.tasks.queued), len(self.store.quarantined))
+
+    def _check_journal_policies(self, events: list[dict[str, Any]]) -> None:
+        """Every policy the journal names must be in the config (else replaying it fails half-way)."""
+        for ev in events:
+            if "policy" in ev and ev["policy"] not in self.policy_index:
+                raise StoreRefused(
+                    f"{self.run_dir / 'journal' / 'journal.jsonl'} names policy {ev['policy']!r} (a {ev.get('ev')!r} "
+                    f"event) but the run's config names {list(self.policy_names)}: the config no longer matches "
+                    f"the stored data; restore the config's policies. Nothing was moved")
 
     def _filtered(self, policy: str, rewards: np.ndarray, std: float) -> bool:
         return self.cfg.policy(policy).filter_zero_advantage and len(rewards) > 1 and std == 0.0

@@ -12,3 +12,11 @@ from __future__ import annotations
 
 class StoreStop(Exception):
     """The dataflow rank stops; the message is the one-line reason and what to do."""
+
+
+class StoreRefused(StoreStop):
+    """Stored data that is not damaged but that this rank must not use as it is: shards or
+    journal lines of other policies than the config names, a newer schema, a shard this user
+    cannot read or another process holds locked. Quarantine is for damaged files only: the
+    rank stops and moves nothing, so that fixing the cause (restoring the config, the
+    permissions) brings everything back."""

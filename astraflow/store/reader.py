@@ -5,7 +5,9 @@ new rows), a closed one, and one whose writer was killed (a plain open refuses i
 filesystems without POSIX write ordering (NFS) SWMR is not safe for a live shard; readers
 there should use only closed shards (`closed_only=True` in `load_rows`).
 
-A shard that cannot be opened is reported as `ShardCorrupt`; the caller quarantines it. Rows
+A shard that cannot be read is reported as `ShardCorrupt`; the caller quarantines it. One that
+is not damaged but must not be used as it is (a newer schema, no permission to read it,
+locked by another process) is `StoreRefused` (store/errors.py): nothing is moved. Rows
 at the end of the table that point at nothing (a write cut short: rows of zeros, rows past
 the data) are a torn tail: they are ignored and counted (`ShardReader.torn`, the
 `torn` attribute of `load_rows`), and the rows before them are kept.
@@ -22,6 +24,7 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
+from astraflow.store.errors import StoreRefused
 from astraflow.store.schema import META_COLUMN, MISSING_DEFAULTS, READABLE_VERSIONS, ROW_COLUMNS, TOKEN_COLUMNS
 from astraflow.store.swmr import LIVE_READ_ATTEMPTS, open_swmr
 from astraflow.store.writer import list_shards
@@ -53,6 +56,8 @@ def check_not_truncated(path: Path) -> bool:
         with open(path, "rb") as f:
             head = f.read(48)
             size = os.fstat(f.fileno()).st_size
+    except PermissionError as e:
+        raise StoreRefused(f"{path}: cannot be read ({e.strerror}): fix its permissions; nothing was moved") from None
     except OSError as e:
         raise ShardCorrupt(path, f"cannot read: {e.strerror}") from None
     if head[:8] != HDF5_SIGNATURE:
@@ -79,17 +84,28 @@ class ShardReader:
         # is looked at again before it is called torn (see `refresh`)
         self.writing = (check_not_truncated(self.path) and writer_alive) if file is None else True
         with self._damage("cannot open"):
-            self.file = file if file is not None else open_swmr(
-                self.path, LIVE_READ_ATTEMPTS if self.writing else 1, locking)
+            self.file = file if file is not None else self._open(locking)
             version = int(self.file.attrs["schema_version"])
             self.policy_names = tuple(p.decode() for p in self.file.attrs["policy_names"])
         if version not in READABLE_VERSIONS:
-            raise ShardCorrupt(self.path, f"schema_version {version}, this code reads {list(READABLE_VERSIONS)}")
+            if file is None:
+                self.file.close()
+            raise StoreRefused(f"{self.path}: schema_version {version}, this code reads {list(READABLE_VERSIONS)}: "
+                               f"written by a newer AstraFlow, read it with that; nothing was moved")
         self.n_rows = 0
         self.torn = 0  # rows after the good ones that point at nothing (see `refresh`)
         self._ends = (0, 0)  # where the last good row's tokens and metadata end
         if file is None:  # a reader over the writer's own open file needs no refresh
             self.refresh()
+
+    def _open(self, locking: bool) -> h5py.File:
+        try:
+            return open_swmr(self.path, LIVE_READ_ATTEMPTS if self.writing else 1, locking)
+        except OSError as e:
+            if "unable to lock file" in str(e):  # not damage: someone else holds it
+                raise StoreRefused(f"{self.path}: locked by another process ({e}): is another dataflow rank "
+                                   f"running on this run directory? Nothing was moved") from None
+            raise
 
     @contextlib.contextmanager
     def _damage(self, what: str) -> Iterator[None]:
@@ -98,7 +114,7 @@ class ShardReader:
         (a damaged object header made `attrs` raise RuntimeError, which crashed recovery)."""
         try:
             yield
-        except ShardCorrupt:
+        except (ShardCorrupt, StoreRefused):
             raise
         except Exception as e:  # noqa: BLE001 - see above
             raise ShardCorrupt(self.path, f"{what} ({type(e).__name__}: {e})") from None
@@ -215,7 +231,7 @@ def load_rows(run_dir: str | Path, closed_only: bool = False, verify: bool = Fal
     for path in shards:
         try:
             reader = ShardReader(path)
-        except ShardCorrupt as e:
+        except (ShardCorrupt, StoreRefused) as e:
             skipped.append(str(e))
             continue
         try:

@@ -2,7 +2,8 @@
 
 `recover()` opens every existing shard read-only and yields its row table; a shard that
 cannot be read is moved to `shards/quarantine/` and reported, so its tasks count as never
-committed and are handed out again. Rows of a torn tail (reader.py) are left out, logged
+committed and are handed out again. A readable shard that does not match the run (its
+policies) is refused, `StoreRefused`, before anything is moved. Rows of a torn tail (reader.py) are left out, logged
 and counted in `torn_rows`: their commits were never acknowledged, their tasks are handed
 out again. A new active shard is then started (the old ones are
 never written again). Locations are `(shard_index, row)` pairs.
@@ -16,6 +17,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from astraflow.store.errors import StoreRefused
 from astraflow.store.reader import ShardCorrupt, ShardReader
 from astraflow.store.writer import RowBatch, ShardWriter, StoreOptions, list_shards, shard_index, shard_name
 
@@ -38,33 +40,53 @@ class ShardStore:
     # ------------------------------------------------------------- recovery
     def recover(self, damaged: dict[str, str] | None = None
                 ) -> Iterator[tuple[int, ShardReader, dict[str, np.ndarray]]]:
-        """Yield (index, reader, row table) of every good shard; quarantine the rest, and the
-        shards named in `damaged` (name -> why: found unreadable while serving)."""
+        """Open every shard now; the iterator returned then yields (index, reader, row table) of
+        every good shard and quarantines the damaged ones and those named in `damaged` (name ->
+        why: found unreadable while serving).
+
+        Every shard is opened before anything is moved: a shard that is readable but must not
+        be used as it is — stored for other policies than the config names (a policy renamed
+        in the config), a newer schema, unreadable to this user — raises `StoreRefused` and
+        leaves every file where it is. Quarantine is for damaged files only: a renamed policy
+        once quarantined every shard, and restoring the config did not bring them back."""
+        opened: list[tuple[Path, ShardReader | None, str]] = []  # (shard, reader, why it is damaged)
         for path in list_shards(self.dir):
-            idx = shard_index(path)
             if damaged and path.name in damaged:
-                self._quarantine(path, damaged[path.name])
+                opened.append((path, None, damaged[path.name]))
                 continue
-            reader = None
             try:
                 reader = ShardReader(path, locking=self.opts.locking, writer_alive=False)
+            except ShardCorrupt as e:
+                opened.append((path, None, e.why))
+                continue
+            self._readers[shard_index(path)] = reader  # closed by close(), whatever happens next
+            opened.append((path, reader, ""))
+            if reader.policy_names != self.policy_names[: len(reader.policy_names)]:
+                raise StoreRefused(
+                    f"{path} stores policies {list(reader.policy_names)} but the run's config names "
+                    f"{list(self.policy_names)}: the config no longer matches the stored data (policies "
+                    f"may be added at the end, not renamed, removed or reordered); restore the config's "
+                    f"policies. Nothing was moved")
+        return self._recovered(opened)
+
+    def _recovered(self, opened: list[tuple[Path, ShardReader | None, str]]
+                   ) -> Iterator[tuple[int, ShardReader, dict[str, np.ndarray]]]:
+        for path, reader, why in opened:
+            try:
+                if reader is None:
+                    raise ShardCorrupt(path, why)
                 rows = reader.rows()
                 reader.verify()
             except ShardCorrupt as e:
                 if reader is not None:
-                    reader.close()
+                    self._readers.pop(shard_index(path)).close()
                 self._quarantine(path, e.why)
-                continue
-            if reader.policy_names != self.policy_names[: len(reader.policy_names)]:
-                reader.close()
-                self._quarantine(path, f"policy list {reader.policy_names} does not match the run's")
                 continue
             if reader.torn:
                 self.torn_rows[path.name] = reader.torn
                 log.warning("shard %s: its last %d rows point at nothing (a write cut short, never acknowledged): "
                             "ignored; the %d rows before them are kept", path.name, reader.torn, reader.n_rows)
-            self._readers[idx] = reader
-            yield idx, reader, rows
+            yield shard_index(path), reader, rows
 
     def _quarantine(self, path: Path, why: str) -> None:
         qdir = self.dir / "quarantine"
