@@ -38,7 +38,7 @@ from astraflow.store.journal import Journal, replay
 from astraflow.store.reader import ShardCorrupt
 from astraflow.store.schema import TOKEN_COLUMNS
 from astraflow.store.shards import ShardStore
-from astraflow.store.writer import RowBatch, StoreOptions
+from astraflow.store.writer import RowBatch, StoreOptions, list_shards
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class DataflowState:
         events = list(replay(self.run_dir / "journal"))
         damaged = {ev["shard"]: f"found damaged while serving: {ev['why']}"
                    for ev in events if ev.get("ev") == "damaged"}
+        self._check_journal_whole(events)
         # a config that no longer matches the stored data is refused before anything is moved
         shards = self.store.recover(damaged)
         self._check_journal_policies(events)
@@ -189,6 +190,27 @@ class DataflowState:
         self.flush()
         log.info("recovered: %d tasks done, %d samples, %d queued tasks, %d quarantined shards",
                  len(done), self.next_sample_id, len(self.tasks.queued), len(self.store.quarantined))
+
+    def _check_journal_whole(self, events: list[dict[str, Any]]) -> None:
+        """The journal must go back to the run's first start: a rank that began a new one next to
+        existing shards would serve consumed samples again and lose the trainers' lineage (a
+        journal deleted mid-run: 128 samples trained twice, steps 1-60 missing)."""
+        path = self.journal.path
+        starts = [ev for ev in events if ev.get("ev") == "start"]
+        shards = self.store.dir
+        stored = next(iter(list_shards(shards)), None) or next(iter((shards / "quarantine").glob("shard-*.h5")), None)
+        if starts and starts[0].get("first_sample", 0) > 0:
+            why = (f"begins with incarnation {starts[0]['incarnation']} at sample {starts[0]['first_sample']}, not at "
+                   f"the run's start")
+        elif not starts and stored is not None:
+            why = f"is missing or empty but {stored.name} holds the run's data"
+        else:
+            return
+        rescued = sorted(path.parent.glob(f"{path.name}.rescued-*"))
+        hint = (f"restore it (the rank rescued a copy when it saw it go: {rescued[-1]})" if rescued
+                else "restore it from a copy, or start a new run")
+        raise StoreRefused(f"{path} {why}: it was deleted or replaced, and starting from it would train samples "
+                           f"again and hand out ids twice; {hint}. Nothing was moved")
 
     def _check_journal_policies(self, events: list[dict[str, Any]]) -> None:
         """Every policy the journal names must be in the config (else replaying it fails half-way)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from astraflow.store.identity import FileIdentity
 from astraflow.store.schema import (INPUT_ROW_COLUMNS, META_COLUMN, ROW_COLUMNS, ROW_DTYPE, SCHEMA_VERSION,
                                     TOKEN_COLUMNS)
 
@@ -97,6 +98,7 @@ class ShardWriter:
         self.ds["rows"] = self.file.create_dataset(
             "rows", (0,), maxshape=(None,), dtype=ROW_DTYPE, chunks=(ROW_CHUNK,), **comp)
         self.file.swmr_mode = True
+        self._identity = FileIdentity(path, self.file.id.get_vfd_handle(), "the active shard")
         self._chunk_bytes = sum(ds.chunks[0] * ds.dtype.itemsize for ds in self.ds.values())
         self.n_rows = 0
         self.n_tokens = 0
@@ -156,6 +158,7 @@ class ShardWriter:
         self.file.flush()
         if self.opts.fsync:
             os.fsync(self.file.id.get_vfd_handle())
+        self._identity.check()  # deleted or replaced: stop before acknowledging (identity.py)
         self.n_rows += n
         self.n_tokens += n_tok
         self.n_meta += int(meta_len.sum())

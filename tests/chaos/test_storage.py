@@ -147,3 +147,34 @@ def test_truncated_shard_and_garbage_weights_are_detected_and_handled(tmp_path):
     assert json.loads(out[out.index("{"):])["steps"] == 30
     report = check_ledgers_and_audit(run_dir, lost_shards=True)
     assert report["regenerated"] >= len(trained_tasks)  # trained samples gone, their tasks done again
+
+
+def test_a_journal_deleted_mid_run_stops_the_rank_and_the_rescued_copy_resumes_the_run(tmp_path):
+    """Deleted mid-run, the journal went unnoticed: the rank wrote into the deleted file, its
+    restart began a new journal, and audit said ok while the trainer's ledger showed steps
+    missing and samples trained twice. Now the rank stops at its next journal write, rescuing
+    what it held; its restart refuses to start without it; audit is not ok; and once the
+    rescued copy is moved back the run resumes and finishes with audit ok."""
+    proc, run_dir = start(tmp_path, steps=12, extra=["launcher.max_restarts=1"])
+    journal = run_dir / "journal" / "journal.jsonl"
+    try:
+        wait_steps(proc, run_dir, 3)
+        journal.unlink()
+        out, err = finish(proc, timeout_s=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    last = err.strip().splitlines()[-1]  # one line naming the component and the cause
+    assert last.startswith("astraflow run:") and "journal.jsonl is missing or empty" in last, last
+    rank_log = (run_dir / "logs" / "dataflow.log").read_text()
+    assert "(the run's journal) was deleted while the dataflow rank was writing it" in rank_log
+    report = audit(run_dir)
+    assert not report["ok"] and report["ledgers"]["steps_missing_from_journal"] >= 3, report
+    (rescued,) = journal.parent.glob("journal.jsonl.rescued-*")
+    os.replace(rescued, journal)
+    proc = resume(run_dir)
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out[out.index("{"):])["steps"] == 12
+    check_ledgers_and_audit(run_dir)
