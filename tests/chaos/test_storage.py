@@ -165,10 +165,11 @@ def test_a_journal_deleted_mid_run_stops_the_rank_and_the_rescued_copy_resumes_t
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    last = err.strip().splitlines()[-1]  # one line naming the component and the cause
-    assert last.startswith("astraflow run:") and "journal.jsonl is missing or empty" in last, last
+    last = err.strip().splitlines()[-1]  # one line naming the component and the cause (its tail)
+    assert last.startswith("astraflow run: dataflow failed") and "journal.jsonl" in last, last
     rank_log = (run_dir / "logs" / "dataflow.log").read_text()
     assert "(the run's journal) was deleted while the dataflow rank was writing it" in rank_log
+    assert "journal.jsonl is missing or empty but shard-" in rank_log  # and the restart refused
     report = audit(run_dir)
     assert not report["ok"] and report["ledgers"]["steps_missing_from_journal"] >= 3, report
     (rescued,) = journal.parent.glob("journal.jsonl.rescued-*")

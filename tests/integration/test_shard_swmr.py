@@ -3,7 +3,8 @@ must never call it corrupt or torn, nor lose rows it saw, nor see a row whose da
 there yet.
 
 The writer is a real process (`tests.integration.shard_appender`) flushing after every batch,
-as the dataflow rank does; the reader is this process, as `astraflow inspect` and `audit` are.
+as the dataflow rank does; the reader is this process, as `astraflow inspect` and `audit` are
+(every 100th refresh it also loads the run's rows as they do: the live shard is never skipped).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from astraflow.store.reader import ShardCorrupt, ShardReader
+from astraflow.store.reader import ShardCorrupt, ShardReader, load_rows
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -22,7 +23,8 @@ ROWS = 8
 
 
 def test_refreshing_a_live_shard_never_reports_it_corrupt(tmp_path):
-    path = tmp_path / "shard-000000.h5"
+    path = tmp_path / "run" / "shards" / "shard-000000.h5"
+    path.parent.mkdir(parents=True)
     writer = subprocess.Popen([sys.executable, "-m", "tests.integration.shard_appender", str(path), str(BATCHES),
                                str(ROWS)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -39,6 +41,9 @@ def test_refreshing_a_live_shard_never_reports_it_corrupt(tmp_path):
                 refreshes += 1
             assert n >= seen, f"refresh {refreshes}: {n} rows after {seen}"
             torn += reader.torn > 0
+            if refreshes % 100 == 0:  # what inspect and audit read: the live shard is not skipped
+                df = load_rows(tmp_path / "run")
+                assert not df.attrs["skipped"] and not df.attrs["torn"] and len(df) >= n, df.attrs
             if n > seen:  # the newest row's data is readable and is the row's own
                 last = reader.trajectory(n - 1)
                 assert last["sample_id"] == n - 1 and len(last["tokens"]) == last["length"]
