@@ -19,13 +19,12 @@ from astraflow.config.loader import ConfigError
 def _dataflow(args: argparse.Namespace) -> int:
     from astraflow.config.rundir import RunDir
     from astraflow.dataflow.server import DataflowServer
-
-    from astraflow.dataflow.state import StoreFull
+    from astraflow.store.errors import StoreStop
 
     run = RunDir.create_or_open(args.run_dir, args.config, args.set)
     try:
         DataflowServer(run, local=True if args.local else None).serve()
-    except StoreFull as e:
+    except StoreStop as e:
         print(f"astraflow dataflow: error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -59,9 +59,11 @@ class StoreConfig:
     locking: bool = True
     # fsync after every flush: survives power loss, not only a killed process.
     fsync: bool = False
-    # The dataflow rank stops (cleanly, saying why) when its filesystem has less free space
-    # than this, rather than let a full disk cut a shard or the journal short mid-write
-    # (HDF5 even crashed the process on ENOSPC here).
+    # The dataflow rank stops (cleanly, saying why) before a flush that would leave its
+    # filesystem less free space than this, rather than let a full disk cut a shard or the
+    # journal short mid-write (HDF5 crashed the process on ENOSPC here). The flush's own size
+    # is counted on top, so 0 still protects the rank's writes; the margin is for the other
+    # writers on the filesystem (logs, checkpoints, weights).
     min_free_mb: float = 64.0
 
 

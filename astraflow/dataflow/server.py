@@ -32,6 +32,7 @@ from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import RENDEZVOUS_FILE
 from astraflow.protocol.codec import Codec, Reject
+from astraflow.store.errors import StoreStop
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,8 @@ class DataflowServer:
     def _handle(self, request: Any, now: float, count: bool = True) -> Any:
         try:
             return self.state.handle(request, now, count)
+        except StoreStop:
+            raise  # the store cannot go on safely: the rank stops, saying why (store/errors.py)
         except Exception:  # noqa: BLE001 - a bug in one handler must not stop the rank
             self.state.counters["error_internal"] += 1
             log.error("internal error on %s:\n%s", type(request).__name__, traceback.format_exc())

@@ -33,10 +33,12 @@ from astraflow.tasks.sources import TaskSource
 from astraflow.dataflow.weights import WeightRegistry
 from astraflow.dataflow.workers import WorkerRegistry
 from astraflow.protocol import messages as m
+from astraflow.store.errors import StoreRefused, StoreStop
 from astraflow.store.journal import Journal, replay
+from astraflow.store.reader import ShardCorrupt
 from astraflow.store.schema import TOKEN_COLUMNS
 from astraflow.store.shards import ShardStore
-from astraflow.store.writer import RowBatch, StoreOptions
+from astraflow.store.writer import RowBatch, StoreOptions, list_shards
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,13 @@ STARVING_S = 30.0  # a trainer waiting this long for a batch gets a warning sayi
 MB = 1 << 20
 
 
-class StoreFull(Exception):
+class StoreFull(StoreStop):
     """The run directory's filesystem is (nearly) full: the rank stops before writing."""
+
+
+class ShardDamaged(StoreStop):
+    """A shard could not be read back while serving: the rank records it in the journal and
+    stops; its restart quarantines the shard (its tasks are handed out again)."""
 
 
 class RequestError(Exception):
@@ -104,10 +111,18 @@ class DataflowState:
 
     # ================================================================ recovery
     def recover(self) -> None:
+        # the journal first: it names shards found damaged while serving, which go to quarantine
+        events = list(replay(self.run_dir / "journal"))
+        damaged = {ev["shard"]: f"found damaged while serving: {ev['why']}"
+                   for ev in events if ev.get("ev") == "damaged"}
+        self._check_journal_whole(events)
+        # a config that no longer matches the stored data is refused before anything is moved
+        shards = self.store.recover(damaged)
+        self._check_journal_policies(events)
         infos: dict[str, dict[int, SampleInfo]] = {p: {} for p in self.policy_names}
         groups: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
         done: set[int] = set()
-        for idx, reader, rows in self.store.recover():
+        for idx, reader, rows in shards:
             names = reader.policy_names
             for r in range(len(rows["sample_id"])):
                 sid, tid = int(rows["sample_id"][r]), int(rows["task_id"][r])
@@ -131,7 +146,7 @@ class DataflowState:
         for tid, zero in uninformative.items():  # in task order, as the tasks were committed (about)
             self.selection.observe(tid, zero)
         high_water = 0
-        for ev in replay(self.run_dir / "journal"):
+        for ev in events:
             kind = ev.get("ev")
             if kind == "start":
                 self.incarnation = ev["incarnation"]
@@ -172,9 +187,39 @@ class DataflowState:
         # starts above every id the journal says was handed out (journalled in blocks).
         self.next_sample_id = max(self.next_sample_id, self.sample_hwm)
         self.journal.append("start", incarnation=self.incarnation, time=time.time(), first_sample=self.next_sample_id)
-        self.journal.flush()
+        self.flush()
         log.info("recovered: %d tasks done, %d samples, %d queued tasks, %d quarantined shards",
                  len(done), self.next_sample_id, len(self.tasks.queued), len(self.store.quarantined))
+
+    def _check_journal_whole(self, events: list[dict[str, Any]]) -> None:
+        """The journal must go back to the run's first start: a rank that began a new one next to
+        existing shards would serve consumed samples again and lose the trainers' lineage (a
+        journal deleted mid-run: 128 samples trained twice, steps 1-60 missing)."""
+        path = self.journal.path
+        starts = [ev for ev in events if ev.get("ev") == "start"]
+        shards = self.store.dir
+        stored = next(iter(list_shards(shards)), None) or next(iter((shards / "quarantine").glob("shard-*.h5")), None)
+        if starts and starts[0].get("first_sample", 0) > 0:
+            why = (f"begins with incarnation {starts[0]['incarnation']} at sample {starts[0]['first_sample']}, not at "
+                   f"the run's start")
+        elif not starts and stored is not None:
+            why = f"is missing or empty but {stored.name} holds the run's data"
+        else:
+            return
+        rescued = sorted(path.parent.glob(f"{path.name}.rescued-*"))
+        hint = (f"restore it (the rank rescued a copy when it saw it go: {rescued[-1]})" if rescued
+                else "restore it from a copy, or start a new run")
+        raise StoreRefused(f"{path} {why}: it was deleted or replaced, and starting from it would train samples "
+                           f"again and hand out ids twice; {hint}. Nothing was moved")
+
+    def _check_journal_policies(self, events: list[dict[str, Any]]) -> None:
+        """Every policy the journal names must be in the config (else replaying it fails half-way)."""
+        for ev in events:
+            if "policy" in ev and ev["policy"] not in self.policy_index:
+                raise StoreRefused(
+                    f"{self.run_dir / 'journal' / 'journal.jsonl'} names policy {ev['policy']!r} (a {ev.get('ev')!r} "
+                    f"event) but the run's config names {list(self.policy_names)}: the config no longer matches "
+                    f"the stored data; restore the config's policies. Nothing was moved")
 
     def _filtered(self, policy: str, rewards: np.ndarray, std: float) -> bool:
         return self.cfg.policy(policy).filter_zero_advantage and len(rewards) > 1 and std == 0.0
@@ -191,12 +236,18 @@ class DataflowState:
             return m.Error(e.code, str(e))
 
     def flush(self) -> None:
-        """Make everything handled so far durable. Replies may be sent only after this."""
+        """Make everything handled so far durable. Replies may be sent only after this.
+
+        The turn's writes must fit with `store.min_free_mb` to spare (the room left for logs,
+        checkpoints and weights on the same filesystem): HDF5 out of space inside a flush
+        crashed the rank (SIGSEGV) and left rows of zeros, so the rank stops before that."""
         free = shutil.disk_usage(self.run_dir).free
-        if free < self.cfg.store.min_free_mb * MB:
-            raise StoreFull(f"only {free / MB:.1f} MB free under {self.run_dir} (store.min_free_mb="
-                            f"{self.cfg.store.min_free_mb:g}): stopping before a shard or the journal is cut "
-                            f"short; nothing unflushed was acknowledged. Free some space and resume the run")
+        need = self.store.staged_bytes() + self.journal.pending_bytes()
+        if free < self.cfg.store.min_free_mb * MB + need:
+            raise StoreFull(f"only {free / MB:.1f} MB free under {self.run_dir}, this turn writes up to "
+                            f"{need / MB:.1f} MB and store.min_free_mb={self.cfg.store.min_free_mb:g} are kept "
+                            f"free: stopping before a shard or the journal is cut short; nothing unflushed was "
+                            f"acknowledged. Free some space and resume the run")
         self.store.flush()
         self.journal.flush()
 
@@ -242,8 +293,11 @@ class DataflowState:
         return self.tasks.next_deadline()
 
     def close(self) -> None:
-        self.store.close()
-        self.journal.close()
+        """Close the store and the journal. Whatever was handled since the last `flush()` was
+        never acknowledged and is dropped: after a failed flush (a full disk) writing it would
+        run into what stopped the rank."""
+        self.store.close(drop_staged=True)
+        self.journal.close(drop_pending=True)
 
     # ================================================================ workers
     def _check_protocol(self, version: int) -> None:
@@ -485,7 +539,15 @@ class DataflowState:
     def _payload(self, info: SampleInfo) -> tuple[m.TrajectoryBatch, int]:
         """Where a sample's trajectory is in memory; read back from its shard if it is not."""
         if info.payload is None:
-            rec = self.store.read(info.loc)
+            try:
+                rec = self.store.read(info.loc)
+            except ShardCorrupt as e:
+                # written now: the restart must learn of it, and nothing else is acknowledged
+                self.journal.append("damaged", shard=e.path.name, why=e.why, time=time.time())
+                self.journal.flush()
+                raise ShardDamaged(f"{e.path.name} cannot be read back ({e.why}); recorded in the journal: the "
+                                   f"rank stops and its restart quarantines the shard (its tasks are handed "
+                                   f"out again)") from None
             traj = m.Trajectory(rec["policy"], rec["tokens"], rec["logprobs"], rec["loss_mask"], rec["versions"],
                                 rec["token_policy"], rec["reward"], rec["episode_id"], rec["group_id"], rec["gen_s"],
                                 rec["meta"])

@@ -15,7 +15,7 @@ import zmq
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import Codec, RemoteError
 from astraflow.bench.payload import random_trajectory
-from tests.conftest import REPO, DataflowProcess, client, make_run, register
+from tests.conftest import REPO, DataflowProcess, client, make_run, register, trained_run_dir
 from tests.integration.helpers import assert_exactly_once, read_ledger, start_worker, stored
 
 pytestmark = pytest.mark.integration
@@ -230,3 +230,19 @@ def test_bad_config_names_the_key(tmp_path):
     assert out.returncode == 2
     assert f"{bad}:2: dataflow.lease_seconds: unknown key" in out.stderr
     assert not (tmp_path / "r").exists()  # nothing was created for a config that does not validate
+
+
+def test_a_config_that_no_longer_matches_the_stored_data_stops_the_rank_with_one_line(tmp_path):
+    """A policy renamed in an existing run's config.yaml: the rank exits 1 with one line naming
+    the shard and both policy lists, and moves nothing (it used to quarantine every shard)."""
+    run_dir = trained_run_dir(tmp_path)
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("- name: policy\n", "- name: solver\n"))
+    shards = sorted(p.relative_to(run_dir) for p in (run_dir / "shards").rglob("*.h5"))
+    out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "dataflow", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("astraflow dataflow: error: ") and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"{run_dir}/shards/shard-000000.h5 stores policies ['policy'] but the run's config names ['solver']" in last
+    assert sorted(p.relative_to(run_dir) for p in (run_dir / "shards").rglob("*.h5")) == shards
