@@ -47,6 +47,9 @@ class DataflowConfig:
     # beyond it they are read back from their shard when served, so the rank's memory does
     # not grow with the buffer.
     payload_cache_mb: float = 1024.0
+    # A commit with a longer trajectory is refused (astraflow/dataflow/validate.py): one
+    # million-token record would otherwise be stored and served to a trainer.
+    max_trajectory_tokens: int = runtime(131072)
 
 
 @dataclass(frozen=True)

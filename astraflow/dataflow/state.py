@@ -29,9 +29,11 @@ from astraflow.dataflow.buffers import (CONSUMED, FILTERED, READY, PolicyBuffer,
 from astraflow.dataflow.leases import TaskTable
 from astraflow.dataflow.selection import PromptSelection
 from astraflow.dataflow.status import WaitTracker, build_status
+from astraflow.dataflow.validate import InvalidCommit, Vocabulary, check_commit, records_per_commit
 from astraflow.tasks.sources import TaskSource
 from astraflow.dataflow.weights import WeightRegistry
 from astraflow.dataflow.workers import WorkerRegistry
+from astraflow.models import base_model_dir
 from astraflow.protocol import messages as m
 from astraflow.store.journal import Journal, replay
 from astraflow.store.schema import TOKEN_COLUMNS
@@ -83,6 +85,8 @@ class DataflowState:
         self.weights = WeightRegistry(self.run_dir / "weights", {p.name: p.keep_versions for p in cfg.policies})
         self.store = ShardStore(self.run_dir / "shards", self.policy_names, store_options(cfg))
         self.journal = Journal(self.run_dir / "journal", fsync=cfg.store.fsync)
+        self.vocabulary = Vocabulary(base_model_dir(self.run_dir, cfg.model.path))  # read at the first commit
+        self.max_records = records_per_commit(cfg)
         self.waits = {p: WaitTracker() for p in self.policy_names}
         self.trainers: dict[str, dict[str, Any]] = {}
         self.counters: Counter[str] = Counter()
@@ -376,6 +380,12 @@ class DataflowState:
         unknown = set(trajs.policy) - set(self.policy_index)
         if unknown:
             raise RequestError("bad_request", f"trajectories.policy: unknown policies {sorted(unknown)}")
+        try:
+            check_commit(trajs, req.versions, self.policy_index, self._version_ceilings(), self.vocabulary.get(now),
+                         self.cfg.dataflow.max_trajectory_tokens, self.max_records, self.vocabulary.path)
+        except InvalidCommit as e:
+            self.counters[f"invalid_{e.field}"] += 1
+            raise RequestError("invalid_commit", f"commit of task {tid} refused, nothing stored: {e}") from None
         weight = self.selection.weight(tid)
         batch, vmin = self._row_batch(req, tid, weight)
         sids = batch.rows["sample_id"]
@@ -404,13 +414,16 @@ class DataflowState:
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
         return m.CommitReply("stored", sids.tolist(), self._latest())
 
+    def _version_ceilings(self) -> np.ndarray:
+        """The newest weight version each policy may have generated with (its newest published
+        one; 0, the starting weights, before any), and last, for token_policy -1, the largest."""
+        ceilings = [max(self.weights.latest(p)[0], 0) for p in self.policy_names]
+        return np.array([*ceilings, max(ceilings)], np.int64)
+
     def _row_batch(self, req: m.Commit, tid: int, weight: float) -> tuple[RowBatch, np.ndarray]:
         """Columns for the store, computed with whole-array operations (this is the hot path)."""
         trajs = req.trajectories
         n = len(trajs)
-        tp = trajs.token_policy
-        if tp.min() < -1 or tp.max() >= len(self.policy_names):
-            raise RequestError("bad_request", f"token_policy values must be in [-1, {len(self.policy_names)})")
         starts = trajs.offsets[:-1]
         own = trajs.loss_mask.astype(bool)
         vmin = np.minimum.reduceat(np.where(own, trajs.versions, np.iinfo(np.int32).max), starts)

@@ -1,6 +1,9 @@
 """The dataflow rank's state machine, driven directly with a controllable clock."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -152,6 +155,7 @@ def test_staleness_bound_at_consumption_counts_drops(env):
     run, state, clock = env
     w = register(state)
     t1, t2 = state.handle(m.Lease(w, 2)).tasks
+    state.handle(m.Published("policy", 4, "file:///nowhere/v4", []))
     state.handle(m.Commit(w, t1.task_id, group(t1.task_id, [0, 1, 0, 1], version=0)))
     state.handle(m.Commit(w, t2.task_id, group(t2.task_id, [0, 1, 0, 1], version=3)))
     state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
@@ -302,3 +306,77 @@ def test_a_stopped_trainer_is_shown_until_it_is_ready_again(env):
     assert state.handle(m.Stopped("nobody", 7)).code == "bad_request"
     state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 7))  # its requeued successor
     assert not components.trainers_stopped(run, status())
+
+
+def altered(batch: m.TrajectoryBatch, **columns) -> m.TrajectoryBatch:
+    """`batch` with some columns replaced (a worker's bug or an insider's forgery)."""
+    return m.TrajectoryBatch(**{**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}, **columns})
+
+
+def test_commit_content_is_checked_before_anything_is_stored(env):
+    """Out-of-vocabulary ids, NaN/Inf rewards and logprobs, impossible versions, a loss mask
+    of 255, over-long trajectories and oversized commits are refused, naming the field; the
+    vocabulary is read from the model's config.json when the first commit arrives (the model
+    is prepared while the rank starts), and the run carries on with good commits."""
+    run, state, clock = env
+    model = run.path / "model"  # base_model_dir: no model.path configured
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 320, "max_position_embeddings": 512}))
+    w = register(state)
+    (task,) = state.handle(m.Lease(w, 1)).tasks
+    tid = task.task_id
+    good = m.TrajectoryBatch.from_trajectories(
+        [dataclasses.replace(t, tokens=t.tokens % 320) for t in (group(tid, [0, 1, 0, 1]).trajectory(i) for i in range(4))])
+    big = np.array(good.tokens)
+    big[5] = 10**9
+    nan_reward = np.array(good.reward)
+    nan_reward[2] = np.nan
+    inf_logprob, positive_logprob = np.array(good.logprobs), np.array(good.logprobs)
+    inf_logprob[7] = -np.inf
+    positive_logprob[good.offsets[1] + 6] = 0.5  # a trained token (the first 4 are the prompt)
+    mask = np.array(good.loss_mask)
+    mask[9] = 255
+    versions = np.array(good.versions)
+    versions[8] = 2**31 - 1
+    long = m.TrajectoryBatch.from_trajectories([dataclasses.replace(
+        good.trajectory(0), **{c: np.resize(getattr(good.trajectory(0), c), 1 << 20) for c in m.TOKEN_FIELDS})])
+    many = m.TrajectoryBatch.from_trajectories([good.trajectory(0)] * 100_000)
+    bad = {"trajectories.tokens": altered(good, tokens=big), "trajectories.reward": altered(good, reward=nan_reward),
+           "trajectories.logprobs": altered(good, logprobs=inf_logprob),
+           "trajectories.loss_mask": altered(good, loss_mask=mask),
+           "trajectories.versions": altered(good, versions=versions),
+           "trajectories.lengths": long, "trajectories": many}
+    for field, batch in bad.items():
+        err = state.handle(m.Commit(w, tid, batch))
+        assert isinstance(err, m.Error) and err.code == "invalid_commit", (field, err)
+        assert f"{field}: " in err.message, (field, err.message)
+        assert state.counters[f"invalid_{field}"] == 1
+    err = state.handle(m.Commit(w, tid, altered(good, logprobs=positive_logprob)))
+    assert "trajectories.logprobs: trajectory 1, token 6: logprob 0.5 > 0 on a trained token" in err.message
+    assert "vocabulary [0, 320)" in state.handle(m.Commit(w, tid, altered(good, tokens=big))).message
+    assert state.handle(m.Commit(w, tid, good, versions={"policy": 2**31 - 1})).message.startswith(
+        f"commit of task {tid} refused, nothing stored: versions.policy: version 2147483647; expected -1 .. 0")
+    assert state.counters["error_invalid_commit"] == len(bad) + 3
+    assert state.next_sample_id == 0 and state.buffers["policy"].counts["stored"] == 0  # nothing half-stored
+    state.handle(m.Published("policy", 3, "file:///nowhere/v3", []))
+    newer = np.where(good.versions >= 0, 3, -1).astype(np.int32)
+    assert state.handle(m.Commit(w, tid, altered(good, versions=newer))).status == "stored"  # the run goes on
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+    served = state.handle(m.Batch("policy", 1, 4, version=3)).trajectories
+    assert int(served.tokens.max()) < 320 and np.isfinite(served.reward).all()
+
+
+def test_the_vocabulary_is_looked_for_until_the_model_is_there(env):
+    """Before the model exists, ids are only checked to be >= 0; the config.json that appears
+    later (prepared in parallel) is read at a later commit and kept."""
+    run, state, clock = env
+    w = register(state)
+    t1, t2 = state.handle(m.Lease(w, 2)).tasks
+    assert state.handle(m.Commit(w, t1.task_id, group(t1.task_id, [0, 1, 0, 1]))).status == "stored"
+    (run.path / "model").mkdir()
+    (run.path / "model" / "config.json").write_text(json.dumps({"vocab_size": 320}))
+    clock.t += 2
+    err = state.handle(m.Commit(w, t2.task_id, group(t2.task_id, [0, 1, 0, 1])))  # random ids up to 2**31
+    assert err.code == "invalid_commit" and "vocabulary [0, 320)" in err.message
+    (run.path / "model" / "config.json").unlink()
+    assert state.vocabulary.get(clock.t + 10) == 320  # kept
