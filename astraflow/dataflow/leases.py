@@ -4,7 +4,10 @@ Invariants:
 - a task id is in at most one of `queued`, `leased`, `done`;
 - a lease is a duration measured here, never a wall-clock deadline sent by a peer;
 - an expired lease returns the task to the front of the queue (it is the oldest work);
-- the first commit of a task wins; any later commit of it is a duplicate, whoever holds it.
+- the first commit of a task wins; any later commit of it is a duplicate, whoever holds it;
+- a leased task is committed only by its holder (checked by the state machine); a task
+  nobody holds (expired, handed back) takes a late commit from any registered worker (its
+  previous holder, as a rule).
 """
 from __future__ import annotations
 

@@ -366,13 +366,20 @@ class DataflowState:
 
     # ================================================================ commits
     def _commit(self, req: m.Commit, now: float) -> m.CommitReply:
-        self.workers.seen(req.worker_id, now)  # a commit is a heartbeat; unknown workers may commit
+        worker = self._worker(req.worker_id, now)  # a commit is a heartbeat, from a registered worker
         tid = req.task_id
         if tid < 0 or tid >= self.tasks.next_id:
             raise RequestError("bad_request", f"task {tid} was never handed out")
         if tid in self.tasks.done:
             self.counters["duplicate_commits"] += 1
             return m.CommitReply("duplicate", [], self._latest())
+        lease = self.tasks.leased.get(tid)
+        if lease is not None and lease.worker != worker.worker_id:
+            # Only the holder commits. A task nobody holds (its lease expired, its holder was
+            # declared dead or re-registered, the rank restarted) takes a late commit from any
+            # registered worker: the work is done, and the first commit wins either way.
+            raise RequestError("not_holder", f"task {tid} is leased to another worker (this worker's lease expired "
+                                             f"and the task was handed out again); nothing stored")
         trajs = req.trajectories
         n = len(trajs)
         if not n:

@@ -15,7 +15,9 @@ the worker's own ledger, which audits compare with the shards.
 
 Invariant: a commit is retried until acknowledged (the dataflow rank recognises a repeat by
 task id), so a trajectory is lost only if this process dies before it is acknowledged — and
-then its task's lease expires and the task is handed out again.
+then its task's lease expires and the task is handed out again — or if the task was handed
+to another worker while this one was silent past its lease (`not_holder`: the other's
+commit is the one that counts).
 """
 from __future__ import annotations
 
@@ -210,7 +212,14 @@ class RolloutWorker:
             self._free_slot(task.task_id)
         self.failing = 0
         batch = m.TrajectoryBatch.from_trajectories(trajs)
-        reply = await self.rpc(lambda: m.Commit(self.worker_id, task.task_id, batch, self.versions()))
+        try:
+            reply = await self.rpc(lambda: m.Commit(self.worker_id, task.task_id, batch, self.versions()))
+        except RemoteError as e:
+            if e.code != "not_holder":
+                raise
+            # this worker was silent past its lease (hung, cut off) and the task went to another
+            log.warning("task %d: leased to another worker meanwhile; this episode is dropped", task.task_id)
+            return
         self.committed += 1
         # the worker's own ledger of acknowledged commits, independent of the rank's journal
         self.acks.write(json.dumps({"task": task.task_id, "status": reply.status, "sids": reply.sample_ids}) + "\n")

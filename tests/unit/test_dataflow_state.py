@@ -380,3 +380,27 @@ def test_the_vocabulary_is_looked_for_until_the_model_is_there(env):
     assert err.code == "invalid_commit" and "vocabulary [0, 320)" in err.message
     (run.path / "model" / "config.json").unlink()
     assert state.vocabulary.get(clock.t + 10) == 320  # kept
+
+
+def test_only_the_lease_holder_commits(env):
+    """A worker id that never registered, or another registered worker, cannot commit a task
+    leased to someone else (the holder would then get `duplicate`); a late commit from the
+    previous holder is accepted while nobody else holds the task, and refused once it does."""
+    run, state, clock = env
+    a, b = register(state, "a"), register(state, "b")
+    t1, t2 = state.handle(m.Lease(a, 2)).tasks
+    for intruder, code in (("ghost.r0", "unknown_worker"), (b, "not_holder")):
+        err = state.handle(m.Commit(intruder, t1.task_id, group(t1.task_id, [1, 1, 1, 0])))
+        assert isinstance(err, m.Error) and err.code == code, (intruder, err)
+    assert state.counters["error_not_holder"] == 1 and state.next_sample_id == 0
+    assert state.handle(m.Commit(a, t1.task_id, group(t1.task_id, [0, 1, 0, 1]))).status == "stored"
+    clock.t += 11  # a's lease on t2 expires; nobody holds t2 yet
+    state.tick()
+    assert state.handle(m.Commit(a, t2.task_id, group(t2.task_id, [0, 1, 0, 1]))).status == "stored"
+    (t3,) = state.handle(m.Lease(a, 1)).tasks
+    clock.t += 11
+    state.tick()
+    assert state.handle(m.Lease(b, 1)).tasks[0].task_id == t3.task_id  # re-handed to b
+    assert state.handle(m.Commit(a, t3.task_id, group(t3.task_id, [0, 1, 0, 1]))).code == "not_holder"
+    assert state.handle(m.Commit(b, t3.task_id, group(t3.task_id, [0, 1, 0, 1]))).status == "stored"
+    assert state.buffers["policy"].counts["stored"] == 12
