@@ -94,15 +94,22 @@ class RolloutWorker:
         self.pause_until = 0.0  # no leases before this (monotonic), after episode failures
         self.engine_load_s = 0.0
         self.newer_weights = asyncio.Event()  # a reply said a newer version is out: load it now
+        self.registering = asyncio.Lock()  # one registration at a time (see rpc)
 
     # ------------------------------------------------------------- plumbing
     async def rpc(self, make: Callable[[], Any]) -> Any:
-        """Call until answered: follow a restarted rank, register again when forgotten."""
+        """Call until answered: follow a restarted rank, register again when forgotten — once,
+        however many calls in flight learn of it: each registration ends the incarnation
+        before it (and hands back its leases), so one per call made them end each other in a
+        cascade (36 incarnations for 8 calls)."""
         while True:
+            request = None
             try:
-                if not self.worker_id:
-                    await self.register()
-                reply = await self.client.call(make())
+                async with self.registering:
+                    if not self.worker_id:
+                        await self.register()
+                request = make()
+                reply = await self.client.call(request)
                 self.notice(getattr(reply, "latest", {}))
                 return reply
             except TimeoutError:
@@ -112,7 +119,8 @@ class RolloutWorker:
             except RemoteError as e:
                 if e.code != "unknown_worker":
                     raise
-                self.worker_id = ""
+                if getattr(request, "worker_id", None) == self.worker_id:
+                    self.worker_id = ""  # this incarnation is forgotten, not an older one
             await asyncio.sleep(0.1)
 
     async def register(self) -> None:

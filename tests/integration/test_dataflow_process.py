@@ -1,6 +1,7 @@
 """The dataflow rank as a real process, with real worker processes and trainer clients."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import signal
@@ -230,3 +231,29 @@ def test_bad_config_names_the_key(tmp_path):
     assert out.returncode == 2
     assert f"{bad}:2: dataflow.lease_seconds: unknown key" in out.stderr
     assert not (tmp_path / "r").exists()  # nothing was created for a config that does not validate
+
+
+def test_a_forgotten_worker_registers_once_however_many_calls_learn_of_it(tmp_path):
+    """Declared dead (silent past the heartbeat timeout), a rollout worker with 8 calls in
+    flight registers again once: each registration ends the incarnation before it, so one per
+    call made them end each other, and hand back each other's leases, in a cascade."""
+    from astraflow.protocol.aclient import AsyncClient
+    from astraflow.rollout.worker import RolloutWorker
+
+    run = make_run(tmp_path, ["dataflow.heartbeat_timeout_s=0.5"])
+    df = DataflowProcess(run)
+    info = df.start()
+    worker = RolloutWorker(run, ["policy"], "w", engines={})
+
+    async def scenario() -> None:
+        worker.client = AsyncClient(info["address"], run.read_secret(), timeout_s=5)
+        await worker.rpc(lambda: m.Heartbeat(worker.worker_id))  # registers
+        await asyncio.sleep(1.5)  # declared dead meanwhile
+        await asyncio.gather(*(worker.rpc(lambda: m.Heartbeat(worker.worker_id)) for _ in range(8)))
+        worker.client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        df.stop()
+    assert worker.worker_id == "w.r1"
