@@ -58,6 +58,9 @@ class DataflowServer:
         else:
             self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # batch requests waiting for samples, one per (policy, step, rank): a newer one replaces
+        # the older; the state machine bounds steps and ranks, so a policy has at most
+        # trainer.world x STEPS_AHEAD of them, however many a peer sends
         self.parked: dict[tuple[str, int, int], tuple[bytes, bytes, int, m.Batch]] = {}
         self.outbox: list[list[bytes]] = []
         self.running = True

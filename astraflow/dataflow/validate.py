@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 LOOK_EVERY_S = 1.0  # while the model is not there yet, its config.json is looked for this often
 
 
-class InvalidCommit(ValueError):
-    """A commit's content is refused; `field` names the offending part of the commit."""
+class InvalidField(ValueError):
+    """Content is refused; `field` names the offending part of the request."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -88,18 +88,18 @@ class Vocabulary:
 def check_commit(trajs: TrajectoryBatch, versions: dict[str, int], policy_index: dict[str, int],
                  ceilings: np.ndarray, vocab: int | None, max_tokens: int, max_records: int,
                  vocab_source: Path) -> None:
-    """Raise InvalidCommit for the first rule the commit breaks (see the module docstring).
+    """Raise InvalidField for the first rule the commit breaks (see the module docstring).
 
     `ceilings[i]` is the newest version policy i may have generated with; its last element
     (indexed by token_policy -1: prompt, tool and environment tokens) is the largest of them."""
     n = len(trajs)
     if n > max_records:
-        raise InvalidCommit("trajectories", f"{n} trajectories in one commit; at most {max_records} "
+        raise InvalidField("trajectories", f"{n} trajectories in one commit; at most {max_records} "
                                             f"(twice what this run's workflow makes for one task)")
     longest = int(trajs.lengths.max())
     if longest > max_tokens:
         i = int(trajs.lengths.argmax())
-        raise InvalidCommit("trajectories.lengths", f"trajectory {i} has {longest} tokens; at most "
+        raise InvalidField("trajectories.lengths", f"trajectory {i} has {longest} tokens; at most "
                                                     f"dataflow.max_trajectory_tokens={max_tokens}")
     _in_range(trajs, "loss_mask", trajs.loss_mask, 0, 1, "0 or 1")
     _in_range(trajs, "token_policy", trajs.token_policy, -1, len(ceilings) - 2,
@@ -116,7 +116,7 @@ def check_commit(trajs: TrajectoryBatch, versions: dict[str, int], policy_index:
         trained_positive = (lp > 0) & (trajs.loss_mask == 1)
         if trained_positive.any():
             at = int(trained_positive.argmax())
-            raise InvalidCommit("trajectories.logprobs", f"{_where(trajs, at)}: logprob {float(lp[at])} > 0 "
+            raise InvalidField("trajectories.logprobs", f"{_where(trajs, at)}: logprob {float(lp[at])} > 0 "
                                                          f"on a trained token (a log-probability is <= 0)")
     v = trajs.versions
     if v.size and not (int(v.min()) >= -1 and int(v.max()) <= int(ceilings.min())):  # likewise
@@ -124,16 +124,22 @@ def check_commit(trajs: TrajectoryBatch, versions: dict[str, int], policy_index:
         if too_new.any() or int(v.min()) < -1:
             at = int(too_new.argmax()) if too_new.any() else int(v.argmin())
             tp = int(trajs.token_policy[at])
-            raise InvalidCommit("trajectories.versions", f"{_where(trajs, at)}: version {int(v[at])}; expected "
+            raise InvalidField("trajectories.versions", f"{_where(trajs, at)}: version {int(v[at])}; expected "
                                                          f"-1 .. {int(ceilings[tp])}, the newest published version "
                                                          f"of the token's policy")
+    check_versions(versions, policy_index, ceilings)
+
+
+def check_versions(versions: dict[str, int], policy_index: dict[str, int], ceilings: np.ndarray) -> None:
+    """A {policy: weight version} map (a commit's, a lease's, a heartbeat's): known policies,
+    versions in [-1, the policy's ceiling]."""
     for policy, version in versions.items():
         if policy not in policy_index:
-            raise InvalidCommit("versions", f"unknown policy {policy!r}")
+            raise InvalidField("versions", f"unknown policy {policy!r}")
         ceiling = int(ceilings[policy_index[policy]])
         if not -1 <= version <= ceiling:
-            raise InvalidCommit(f"versions.{policy}", f"version {version}; expected -1 .. {ceiling}, "
-                                                      f"the newest published version")
+            raise InvalidField(f"versions.{policy}", f"version {version}; expected -1 .. {ceiling}, "
+                                                     f"the newest published version")
 
 
 def _in_range(trajs: TrajectoryBatch, name: str, values: np.ndarray, lo: int, hi: int | None, expected: str) -> None:
@@ -144,7 +150,7 @@ def _in_range(trajs: TrajectoryBatch, name: str, values: np.ndarray, lo: int, hi
     if vmin >= lo and (hi is None or vmax <= hi):
         return
     at = int(values.argmin()) if vmin < lo else int(values.argmax())
-    raise InvalidCommit(f"trajectories.{name}", f"{_where(trajs, at)}: {int(values[at])}; expected {expected}")
+    raise InvalidField(f"trajectories.{name}", f"{_where(trajs, at)}: {int(values[at])}; expected {expected}")
 
 
 def _finite(trajs: TrajectoryBatch, name: str, values: np.ndarray, per_token: bool) -> None:
@@ -153,7 +159,7 @@ def _finite(trajs: TrajectoryBatch, name: str, values: np.ndarray, per_token: bo
         return
     at = int((~ok).argmax())
     where = _where(trajs, at) if per_token else f"trajectory {at}"
-    raise InvalidCommit(f"trajectories.{name}", f"{where}: {float(values[at])}; expected a finite number")
+    raise InvalidField(f"trajectories.{name}", f"{where}: {float(values[at])}; expected a finite number")
 
 
 def _where(trajs: TrajectoryBatch, token: int) -> str:

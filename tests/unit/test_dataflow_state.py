@@ -40,8 +40,8 @@ def group(task_id: int, rewards: list[float], version: int = 0, tokens: int = 12
          for r in rewards])
 
 
-def register(state: DataflowState, base: str = "w") -> str:
-    return state.handle(m.Register(m.PROTOCOL_VERSION, base, ["policy"], 2, partition="cpu")).worker_id
+def register(state: DataflowState, base: str = "w", capacity: int = 2) -> str:
+    return state.handle(m.Register(m.PROTOCOL_VERSION, base, ["policy"], capacity, partition="cpu")).worker_id
 
 
 def test_expired_lease_goes_to_another_worker_and_late_commit_is_a_duplicate(env):
@@ -142,11 +142,11 @@ def test_a_guided_record_is_trained_but_not_counted_as_generated(tmp_path):
 
 def test_backpressure_and_stale_weights_stop_leases(env):
     run, state, clock = env
-    w = register(state)
+    w = register(state, capacity=8)
     state.buffers["policy"].capacity = 10
     got = state.handle(m.Lease(w, 5))
     assert len(got.tasks) == 2 and got.reason == "backpressure"  # 2 tasks x 4 samples fit in 10
-    state.handle(m.Published("policy", 5, "file:///nowhere/v5", []))
+    publish(state, 5)
     stale = state.handle(m.Lease(w, 1, versions={"policy": 2}))
     assert stale.tasks == [] and stale.reason == "stale_weights"
 
@@ -155,7 +155,7 @@ def test_staleness_bound_at_consumption_counts_drops(env):
     run, state, clock = env
     w = register(state)
     t1, t2 = state.handle(m.Lease(w, 2)).tasks
-    state.handle(m.Published("policy", 4, "file:///nowhere/v4", []))
+    publish(state, 4)
     state.handle(m.Commit(w, t1.task_id, group(t1.task_id, [0, 1, 0, 1], version=0)))
     state.handle(m.Commit(w, t2.task_id, group(t2.task_id, [0, 1, 0, 1], version=3)))
     state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
@@ -208,7 +208,7 @@ def test_quarantined_shard_tasks_are_handed_out_again(tmp_path):
     run = make_run(tmp_path, ["tasks.group_size=2", "store.shard_max_mb=0.0001"])  # one shard per flush
     state = DataflowState(run.path, run.config, clock=Clock())
     state.recover()
-    w = register(state)
+    w = register(state, capacity=3)
     tasks = state.handle(m.Lease(w, 3)).tasks
     for t in tasks:
         state.handle(m.Commit(w, t.task_id, group(t.task_id, [0, 1])))
@@ -287,7 +287,7 @@ def test_lease_and_commit_replies_name_the_newest_weights(env):
     w = register(state)
     reply = state.handle(m.Lease(w, 1))
     assert reply.latest == {"policy": -1}  # nothing published yet
-    state.handle(m.Published("policy", 3, "file:///nowhere/v3", []))
+    publish(state, 3)
     (task,) = reply.tasks
     assert state.handle(m.Commit(w, task.task_id, group(task.task_id, [0, 1, 0, 1]))).latest == {"policy": 3}
     state.handle(m.Published("policy", 4, "file:///nowhere/v4", []))
@@ -304,7 +304,7 @@ def test_a_stopped_trainer_is_shown_until_it_is_ready_again(env):
     assert status()["policies"]["policy"]["trainer"]["stopped_step"] == 7
     assert components.trainers_stopped(run, status())
     assert state.handle(m.Stopped("nobody", 7)).code == "bad_request"
-    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 7))  # its requeued successor
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))  # its requeued successor
     assert not components.trainers_stopped(run, status())
 
 
@@ -358,7 +358,7 @@ def test_commit_content_is_checked_before_anything_is_stored(env):
         f"commit of task {tid} refused, nothing stored: versions.policy: version 2147483647; expected -1 .. 0")
     assert state.counters["error_invalid_commit"] == len(bad) + 3
     assert state.next_sample_id == 0 and state.buffers["policy"].counts["stored"] == 0  # nothing half-stored
-    state.handle(m.Published("policy", 3, "file:///nowhere/v3", []))
+    publish(state, 3)
     newer = np.where(good.versions >= 0, 3, -1).astype(np.int32)
     assert state.handle(m.Commit(w, tid, altered(good, versions=newer))).status == "stored"  # the run goes on
     state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
@@ -404,3 +404,74 @@ def test_only_the_lease_holder_commits(env):
     assert state.handle(m.Commit(a, t3.task_id, group(t3.task_id, [0, 1, 0, 1]))).code == "not_holder"
     assert state.handle(m.Commit(b, t3.task_id, group(t3.task_id, [0, 1, 0, 1]))).status == "stored"
     assert state.buffers["policy"].counts["stored"] == 12
+
+
+def publish(state: DataflowState, upto: int, policy: str = "policy") -> None:
+    """Versions 1..upto, in order, as a trainer publishes them."""
+    for v in range(1, upto + 1):
+        assert state.handle(m.Published(policy, v, f"file:///nowhere/v{v}", [])) == m.Ok()
+
+
+def test_counts_steps_and_versions_are_bounded_by_what_the_rank_knows(env):
+    """`Consumed` for a step never served marked the trainer finished for good (and was
+    journalled); `Lease(n=2**62)` never returned; `Batch(version=2**62)` dropped the whole
+    buffer as stale; `Batch(n=1e6)` parked forever. Each is bounded now, and refused with the
+    field named, and nothing changes."""
+    run, state, clock = env
+    w = register(state)
+    for t in state.handle(m.Lease(w, 2)).tasks:
+        state.handle(m.Commit(w, t.task_id, group(t.task_id, [0, 1, 0, 1])))
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+    buf = state.buffers["policy"]
+    refused = {
+        "never served": m.Consumed("policy", 10**9, []),
+        "consumed: other ids": m.Consumed("policy", 1, [0, 1]),
+        "batch version": m.Batch("policy", 1, 4, version=2**62),
+        "batch n": m.Batch("policy", 1, 10**6),
+        "batch world": m.Batch("policy", 1, 4, rank=999_999, world=10**6),
+        "batch step": m.Batch("policy", 10**9, 4),
+        "resume step": m.Ready(m.PROTOCOL_VERSION, "policy", 10**9),
+        "published version": m.Published("policy", 2**62, "file:///nowhere/huge", []),
+        "capacity": m.Register(m.PROTOCOL_VERSION, "greedy", ["policy"], 2**62),
+        "lease versions": m.Lease(w, 1, {"policy": 2**62}),
+        "heartbeat versions": m.Heartbeat(w, {"ghost": 0}),
+    }
+    for name, request in refused.items():
+        err = state.handle(request)
+        assert isinstance(err, m.Error) and err.code in ("bad_request", "conflict"), (name, err)
+    assert not buf.finished and buf.trainer_step == 0 and not buf.consumed
+    assert buf.counts["dropped_stale"] == 0 and buf.buffered == 8 and state.weights.latest("policy")[0] == -1
+    reply = state.handle(m.Lease(w, 2**62))  # at most the worker's registered capacity (2)
+    assert len(reply.tasks) == 2
+    ids = state.handle(m.Batch("policy", 1, 4)).sample_ids.tolist()
+    assert "was served 4 other samples" in state.handle(m.Consumed("policy", 1, ids[:3])).message
+    assert state.handle(m.Consumed("policy", 1, ids)) == m.Ok()
+    publish(state, 1)
+    assert state.handle(m.Batch("policy", 2, 4, version=1)) is not None  # the next step, the newest version
+
+
+def test_the_served_ledger_survives_a_restart(tmp_path):
+    """A step served before the rank restarted stays served (journalled): the trainer's
+    `Consumed` for it is accepted with exactly the served ids, its samples are not served to
+    another step meanwhile, and a `Consumed` for a step never served is refused."""
+    run = make_run(tmp_path, ["tasks.group_size=4"])
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    w = register(state, capacity=3)
+    for t in state.handle(m.Lease(w, 3)).tasks:
+        state.handle(m.Commit(w, t.task_id, group(t.task_id, [0, 1, 0, 1])))
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+    ids = state.handle(m.Batch("policy", 1, 4)).sample_ids.tolist()
+    state.flush()
+    state.close()
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    buf = state.buffers["policy"]
+    assert buf.buffered == 8 and buf.served == {1: ids}
+    others = list(buf.ready)[:4]
+    assert state.handle(m.Consumed("policy", 2, others)).code == "conflict"  # never served
+    assert state.handle(m.Batch("policy", 1, 4)).sample_ids.tolist() == ids  # a retried request
+    assert state.handle(m.Consumed("policy", 1, ids)) == m.Ok()
+    assert sorted(state.handle(m.Batch("policy", 2, 8)).sample_ids.tolist()) == sorted(buf.served[2])
+    assert not set(buf.served[2]) & set(ids)
+    state.close()

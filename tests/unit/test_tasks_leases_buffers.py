@@ -98,7 +98,7 @@ def test_consume_checks_what_was_served_and_restart_replays():
     s1, s2 = buf.take(1, 4, 0), buf.take(2, 4, 0)
     assert buf.consume(1, s2) is not None  # not what step 1 was served
     assert buf.consume(1, s1) is None and buf.samples[s1[0]].state == CONSUMED
-    assert buf.consume(3, s1) == f"sample {s1[0]} was already consumed by another step"
+    assert buf.consume(3, s1) == "step 3 was never served"  # nor consumed again under another step
     # trainer crashes after step 1 was consumed and step 2 served; it resumes from step 0
     assert buf.trainer_restarted(resume_step=0) == [1]
     assert buf.samples[s2[0]].state == READY and list(buf.ready)[:4] == s2
