@@ -99,7 +99,9 @@ class TaskTable:
         return None
 
     def recover(self, done: set[int], high_water: int) -> None:
-        """After a restart: everything below the high-water mark that is not done is queued."""
+        """After a restart: everything below the high-water mark (and the task limit: the mark
+        is journalled in blocks, and may be beyond it) that is not done is queued."""
         self.done = set(done)
         self.next_id = max(high_water, max(done, default=-1) + 1)
-        self.queued = deque(t for t in range(self.next_id) if t not in self.done)
+        end = self.next_id if self.limit is None else min(self.next_id, self.limit)
+        self.queued = deque(t for t in range(end) if t not in self.done)
