@@ -229,12 +229,10 @@ class DataflowState:
         if expired:
             self.counters["leases_expired"] += len(expired)
         for w in self.workers.sweep(now, self.cfg.dataflow.heartbeat_timeout_s):
-            released = [t for t, lease in list(self.tasks.leased.items()) if lease.worker == w.worker_id]
-            for t in released:
-                self.tasks.release(t)
+            released = self._hand_back(w.worker_id)
             self.counters["workers_dead"] += 1
             log.warning("worker %s silent for %.0fs: declared dead, %d leases handed back",
-                        w.worker_id, now - w.last_seen, len(released))
+                        w.worker_id, now - w.last_seen, released)
         self._warn_starving(now)
 
     def _warn_starving(self, now: float) -> None:
@@ -290,17 +288,22 @@ class DataflowState:
         self._check_policies(req.policies)
         if not req.worker_id or not 1 <= req.capacity <= MAX_CAPACITY:
             raise RequestError("bad_request", f"worker_id must be non-empty and 1 <= capacity <= {MAX_CAPACITY}")
-        info = self.workers.register(req.worker_id, now, policies=tuple(req.policies), capacity=req.capacity,
-                                     hardware=req.hardware, partition=req.partition, host=req.host, pid=req.pid)
-        for old in self.workers.previous_incarnations(info):
-            old.alive = False
-            for t in [t for t, lease in self.tasks.leased.items() if lease.worker == old.worker_id]:
-                self.tasks.release(t)
+        info, ended = self.workers.register(req.worker_id, now, policies=tuple(req.policies), capacity=req.capacity,
+                                            hardware=req.hardware, partition=req.partition, host=req.host, pid=req.pid)
+        if ended is not None:  # the incarnation this one replaces: its leases go back to the queue
+            self._hand_back(ended.worker_id)
         self.journal.append("register", base=req.worker_id, k=self.workers.restarts[req.worker_id],
                             worker=info.worker_id, partition=req.partition, hardware=req.hardware,
                             host=req.host, pid=req.pid, engine_load_s=req.engine_load_s, time=time.time())
         hb = self.cfg.dataflow.heartbeat_timeout_s
         return m.RegisterReply(info.worker_id, self.cfg.dataflow.lease_s, hb / 3)
+
+    def _hand_back(self, worker_id: str) -> int:
+        """Return every lease `worker_id` holds to the queue; how many there were."""
+        held = [t for t, lease in self.tasks.leased.items() if lease.worker == worker_id]
+        for t in held:
+            self.tasks.release(t)
+        return len(held)
 
     def _heartbeat(self, req: m.Heartbeat, now: float) -> m.Ok:
         worker = self._worker(req.worker_id, now)
@@ -381,10 +384,8 @@ class DataflowState:
         for tid in req.task_ids:
             self.tasks.release(tid, req.worker_id)
         if req.leaving:
-            # whatever it still holds (a lease it forgot about) goes back too
-            for tid in [t for t, lease in self.tasks.leased.items() if lease.worker == worker.worker_id]:
-                self.tasks.release(tid)
-            worker.alive = False
+            self._hand_back(worker.worker_id)  # whatever it still holds (a lease it forgot about) goes back too
+            self.workers.end(worker, now)
             self.journal.append("leave", worker=worker.worker_id, time=time.time())
         return m.Ok()
 

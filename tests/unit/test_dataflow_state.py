@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pytest
 
 from astraflow.bench.payload import random_trajectory
 from astraflow.dataflow.state import DataflowState
+from astraflow.dataflow.workers import FORGET_AFTER_S
 from astraflow.launch import components
 from astraflow.protocol import messages as m
 from astraflow.store.reader import load_rows
@@ -475,3 +477,45 @@ def test_the_served_ledger_survives_a_restart(tmp_path):
     assert sorted(state.handle(m.Batch("policy", 2, 8)).sample_ids.tolist()) == sorted(buf.served[2])
     assert not set(buf.served[2]) & set(ids)
     state.close()
+
+
+def test_registration_cost_does_not_grow_with_the_workers_registered(tmp_path):
+    """Each registration looked through every incarnation ever registered (10,000 ids took
+    68 s through the protocol): with 30,000 registered, one costs what it costs with none."""
+    def new_state(name: str) -> DataflowState:
+        (tmp_path / name).mkdir()
+        run = make_run(tmp_path / name)
+        state = DataflowState(run.path, run.config, clock=Clock())
+        state.recover()
+        return state
+
+    def cost(state: DataflowState) -> float:
+        best = float("inf")
+        for rep in range(3):
+            t0 = time.perf_counter()
+            for i in range(200):
+                register(state, f"new-{rep}-{i}")
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    empty, full = new_state("empty"), new_state("full")
+    for i in range(30_000):
+        full.workers.register(f"old-{i}", 0.0, policies=("policy",), capacity=1, hardware="", partition="", host="")
+    assert cost(full) < 4 * cost(empty)
+    empty.close()
+    full.close()
+
+
+def test_dead_workers_are_forgotten_after_a_grace_period_but_their_restart_counters_are_kept(env):
+    run, state, clock = env
+    for i in range(1000):
+        register(state, f"w{i}")
+    register(state, "w0")  # w0.r0 is replaced by w0.r1
+    clock.t += 31  # silent past the heartbeat timeout: all dead
+    state.tick()
+    status = state.handle(m.Status()).status["workers"]
+    assert (status["alive"], status["dead"]) == (0, 1001)  # listed for a while
+    clock.t += FORGET_AFTER_S
+    state.tick()
+    assert not state.workers.workers and state.handle(m.Status()).status["workers"]["dead"] == 0
+    assert register(state, "w0") == "w0.r2" and register(state, "w7") == "w7.r1"
