@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 MAX_DRAIN = 512
 IDLE_POLL_S = 0.05
+# Requests signed more than this before the rank started are dropped (replay protection across
+# restarts): a retry is signed afresh, and a restart takes longer than this anyway.
+RESTART_SLACK_S = 1.0
 
 
 class DataflowServer:
@@ -44,7 +47,8 @@ class DataflowServer:
         self.run = run
         cfg = run.config.dataflow
         self.max_bytes = int(cfg.max_message_mb * (1 << 20))
-        self.codec = Codec(run.read_secret(), max_bytes=self.max_bytes, max_skew_s=cfg.max_clock_skew_s)
+        self.codec = Codec(run.read_secret(), max_bytes=self.max_bytes, max_skew_s=cfg.max_clock_skew_s,
+                           not_before=time.time() - RESTART_SLACK_S)
         self.state = DataflowState(run.path, run.config)
         self.state.recover()
         self.ctx = zmq.Context()
@@ -126,7 +130,12 @@ class DataflowServer:
         try:
             env, request = self.codec.request(body)
         except Reject as e:
-            self.state.counters[f"rejected_{e.code}"] += 1
+            key = f"rejected_{e.code}"
+            self.state.counters[key] += 1
+            n = self.state.counters[key]
+            if e.code == "signed_before_start" and n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a clock behind?
+                log.warning("dropped %d messages signed before this rank started: replays, requests queued across "
+                            "the restart, or a client whose clock is behind this node's (%s)", n, e.message)
             if e.reply and e.client_id:
                 self._reply(identity, e.client_id, e.seq, m.Error(e.code, e.message))
             return

@@ -5,16 +5,24 @@ On the wire a message is two ZeroMQ frames: `payload`, `mac`.
     mac     = HMAC-SHA256(run secret, payload)
 `client_id` is 16 random bytes chosen by each client at start, `seq` strictly increases per
 client, `ts` is the sender's wall clock. The receiver accepts a request only if the MAC
-verifies, `ts` is within `max_skew_s` of its own clock and `seq` is above the last one seen
-from that client; a replayed or re-ordered copy of a signed message is therefore refused,
-and the per-client table only needs to remember clients seen within the skew window.
-Replies carry the request's client_id and seq and are signed the same way.
+verifies, `ts` is a finite number within `max_skew_s` of its own clock and not before
+`not_before`, and `seq` is above the last one seen from that client; a replayed or
+re-ordered copy of a signed message is therefore refused, and the per-client table only
+needs to remember clients seen within the skew window. That table lives in memory: the
+dataflow rank sets `not_before` to its start time (less a small slack), so a message
+captured before a restart is not accepted after it; it is dropped unanswered, and an honest
+client's retry, signed afresh, goes through.
+Replies carry the request's client_id and seq and are signed the same way; a client drops a
+reply that fails verification (`try_reply`), counting it by reason in `dropped`.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +30,8 @@ import msgpack
 
 from astraflow.protocol import messages
 from astraflow.protocol.wire import WireError, decode, encode
+
+log = logging.getLogger(__name__)
 
 
 class Reject(Exception):
@@ -52,12 +62,15 @@ class Envelope:
 
 
 class Codec:
-    def __init__(self, secret: bytes, max_bytes: int = 64 << 20, max_skew_s: float = 300.0) -> None:
+    def __init__(self, secret: bytes, max_bytes: int = 64 << 20, max_skew_s: float = 300.0,
+                 not_before: float = -math.inf) -> None:
         if len(secret) < 16:
             raise ValueError("run secret must be at least 16 bytes")
         self._secret = secret
         self.max_bytes = max_bytes
         self.max_skew_s = max_skew_s
+        self.not_before = not_before  # wall clock: requests signed earlier are dropped
+        self.dropped: Counter[str] = Counter()  # replies dropped by `try_reply`, by reason
         self._last_seq: dict[bytes, tuple[int, float]] = {}
         self._next_prune = 0.0
 
@@ -87,11 +100,16 @@ class Codec:
         if not (isinstance(kind, str) and isinstance(client_id, bytes) and type(seq) is int
                 and isinstance(ts, (int, float))):
             raise Reject("malformed", "bad envelope header")
+        if not math.isfinite(ts):  # NaN compares false with everything: it would never expire
+            raise Reject("malformed", f"timestamp {ts} is not a finite number", client_id=client_id, seq=seq)
         return Envelope(kind, client_id, seq, float(ts), body)
 
     def check_fresh(self, env: Envelope) -> None:
         """Replay protection for requests (see module docstring)."""
         now = time.time()
+        if env.ts < self.not_before:
+            raise Reject("signed_before_start", f"signed {self.not_before - env.ts:.1f}s before this receiver started "
+                                                f"(a replay, or a request queued across a restart)", reply=False)
         if abs(now - env.ts) > self.max_skew_s:
             raise Reject("replayed", f"timestamp {now - env.ts:+.0f}s off (limit {self.max_skew_s:.0f}s)",
                          client_id=env.client_id, seq=env.seq)
@@ -112,6 +130,20 @@ class Codec:
     def reply(self, frames: list[bytes]) -> tuple[Envelope, Any]:
         env = self.open(frames)
         return env, self._typed(messages.REPLIES, env)
+
+    def try_reply(self, frames: list[bytes]) -> tuple[Envelope, Any] | None:
+        """`reply`, or None for a reply that fails verification or decoding: it is dropped
+        like an unknown one, counted in `dropped` and logged (the first of each reason)."""
+        try:
+            return self.reply(frames)
+        except Reject as e:
+            code, why = e.code, e.message
+        except Exception as e:  # noqa: BLE001 - nothing a peer sends may raise out of a client
+            code, why = "malformed", repr(e)
+        self.dropped[code] += 1
+        if self.dropped[code] == 1:
+            log.warning("dropped a reply (%s: %s); further ones are counted, not logged", code, why)
+        return None
 
     @staticmethod
     def _typed(table: dict[str, type], env: Envelope) -> Any:

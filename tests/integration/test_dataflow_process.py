@@ -257,3 +257,37 @@ def test_a_forgotten_worker_registers_once_however_many_calls_learn_of_it(tmp_pa
     finally:
         df.stop()
     assert worker.worker_id == "w.r1"
+
+
+def test_a_message_captured_before_a_restart_of_the_rank_is_not_executed_after_it(tmp_path):
+    """Replay protection remembered sequence numbers in memory only: a signed Register captured
+    on the wire was executed again, once, by the restarted rank (a new incarnation of its
+    worker, whose leases it handed back). Now a message signed before the rank started is
+    dropped unanswered (an honest client's retry is signed afresh)."""
+    run = make_run(tmp_path)
+    df = DataflowProcess(run)
+    info = df.start()
+    ctx = zmq.Context.instance()
+    try:
+        sender = ctx.socket(zmq.DEALER)
+        sender.setsockopt(zmq.LINGER, 0)
+        sender.connect(info["address"])
+        captured = Codec(run.read_secret()).pack(m.Register(m.PROTOCOL_VERSION, "victim", ["policy"], 4), b"v" * 16, 1)
+        sender.send_multipart(captured)
+        assert sender.poll(5000)
+        sender.close(0)
+        time.sleep(1.5)  # the message is now older than the slack the restarted rank allows
+        df.kill(signal.SIGKILL)
+        info = df.start()
+        replayer = ctx.socket(zmq.DEALER)
+        replayer.setsockopt(zmq.LINGER, 0)
+        replayer.connect(info["address"])
+        replayer.send_multipart(captured)
+        assert not replayer.poll(1000)
+        replayer.close(0)
+        counters = client(run).call(m.Status()).status["protocol"]["counters"]
+    finally:
+        df.stop()
+    journal = [json.loads(line) for line in (run.path / "journal" / "journal.jsonl").read_text().splitlines()]
+    assert [e["worker"] for e in journal if e["ev"] == "register"] == ["victim.r0"]
+    assert counters["rejected_signed_before_start"] == 1

@@ -1,6 +1,7 @@
 """Signed msgpack envelopes, typed decoding and the rejection of hostile input."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import os
@@ -9,6 +10,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from astraflow.bench.payload import random_trajectory
 from astraflow.protocol import messages as m
@@ -101,3 +103,64 @@ def test_gather_selects_trajectories_in_order():
     np.testing.assert_array_equal(g.trajectory(0).tokens, b.trajectory(1).tokens)
     np.testing.assert_array_equal(g.trajectory(2).logprobs, a.trajectory(2).logprobs)
     assert g.meta == [b.meta[1], a.meta[0], a.meta[2]]
+
+
+def test_non_finite_timestamps_are_refused():
+    """A NaN timestamp passed the freshness check (every comparison with NaN is false) and so
+    never expired: its message could be replayed whenever its client had been pruned."""
+    for i, ts in enumerate((float("nan"), float("inf"), float("-inf"))):
+        payload = msgpack.packb(["status", b"n" * 16, i + 1, ts, {}], use_bin_type=True)
+        with pytest.raises(Reject, match="malformed: timestamp"):
+            Codec(SECRET).request(_signed(payload))
+
+
+def test_a_message_signed_before_the_rank_started_is_dropped():
+    captured = Codec(SECRET).pack(m.Status(), CID, 1)
+    with pytest.raises(Reject) as e:
+        Codec(SECRET, not_before=time.time() + 1).request(captured)  # a rank started after it was signed
+    assert e.value.code == "signed_before_start" and not e.value.reply  # dropped: a retry is signed afresh
+    Codec(SECRET, not_before=time.time() - 60).request(captured)
+
+
+class _Rank:
+    """A ROUTER socket standing in for the dataflow rank: it answers as told."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def answer(self, *replies: list[bytes]) -> None:
+        identity = self.sock.recv_multipart()[0]
+        for frames in replies:
+            self.sock.send_multipart([identity, *frames])
+
+
+def test_both_clients_drop_a_badly_signed_reply_and_count_it():
+    """The synchronous client raised on a reply with a bad signature; the async one dropped
+    it silently. Both drop it now, count it by reason and take the genuine reply."""
+    from astraflow.protocol.aclient import AsyncClient
+    from astraflow.protocol.client import Client
+
+    rank = _Rank()
+    sync = Client(rank.address, SECRET, timeout_s=5)
+    seq = sync.send(m.Status())
+    forged = Codec(os.urandom(32)).pack(m.StatusReply({"forged": True}), sync.client_id, seq)
+    rank.answer(forged, Codec(SECRET).pack(m.StatusReply({"ok": True}), sync.client_id, seq))
+    assert sync.poll(seq, 5).status == {"ok": True} and sync.codec.dropped == {"unauthorized": 1}
+    sync.close()
+
+    async def call_async() -> tuple[m.StatusReply, dict]:
+        client = AsyncClient(rank.address, SECRET, timeout_s=5)
+        pending = asyncio.ensure_future(client.call(m.Status()))
+        await asyncio.sleep(0)
+        await asyncio.get_running_loop().run_in_executor(None, rank.answer, Codec(SECRET).pack(
+            m.StatusReply({"forged": True}), client.client_id, 1)[:1] + [b"x" * 32],
+            Codec(SECRET).pack(m.StatusReply({"ok": True}), client.client_id, 1))
+        reply = await pending
+        client.close()
+        return reply, dict(client.codec.dropped)
+
+    reply, dropped = asyncio.run(call_async())
+    assert reply.status == {"ok": True} and dropped == {"unauthorized": 1}
+    rank.sock.close(0)
