@@ -1,9 +1,9 @@
 """`astraflow bench fuzz`: hostile traffic against a live dataflow rank, while a correct client works.
 
 Fuzzer processes (nice 10, like load generators on other nodes) send, from a seeded RNG:
-garbage frames; valid payloads with a wrong signature; signed envelopes whose body is random
+garbage frames; valid messages with a wrong signature; signed envelopes whose body is random
 msgpack or a wrong type for a real message kind; signed envelopes of unknown kinds; signed
-valid payloads with bytes flipped, inserted or cut; exact replays of earlier signed frames;
+valid bodies with bytes flipped, inserted or cut; exact replays of earlier signed frames;
 and now and then a frame over the size limit. Some fuzzers hold the run secret — an insider
 sending nonsense reaches every decoder — and some do not. Flooders (`flooders`, 0 by
 default) send nothing but frames just under the size limit (`max_message_mb`, 1 by default:
@@ -106,29 +106,27 @@ def _fuzzer(address: str, secret: bytes | None, seed: int, seconds: float, limit
         elif kind in ("random_body", "unknown_kind"):
             name = rng.choice(list(m.REQUESTS)) if kind == "random_body" else rng.randbytes(6).hex()
             body = _random_value(rng) if kind == "random_body" else {}
-            payload = msgpack.packb([name, client_id, seq, time.time(), body], use_bin_type=True)
-            frames = [payload, codec.sign(payload)]
-        elif kind == "mutated":
+            frames = codec.seal(name, client_id, seq, time.time(), msgpack.packb(body, use_bin_type=True))
+        elif kind == "mutated":  # a signed body with bytes changed before signing: it reaches the decoders
             template = rng.choice(templates)
-            payload = bytearray(msgpack.packb([type(template).__name__.lower(), client_id, seq, time.time(),
-                                               encode(template)], use_bin_type=True))
+            payload = bytearray(msgpack.packb(encode(template), use_bin_type=True))
             for _ in range(rng.randint(1, 4)):
-                at = rng.randrange(len(payload))
-                op = rng.randrange(3)
+                at = rng.randrange(len(payload) + 1)
+                op = rng.randrange(3) if at < len(payload) else 1  # at the end (or into nothing): insert
                 if op == 0:
                     payload[at] = rng.randrange(256)
                 elif op == 1:
                     payload[at:at] = rng.randbytes(rng.randint(1, 8))
                 else:
                     del payload[at:at + rng.randint(1, 8)]
-            frames = [bytes(payload), codec.sign(bytes(payload))]
+            frames = codec.seal(type(template).__name__.lower(), client_id, seq, time.time(), bytes(payload))
         elif kind == "replay" and history:
             frames = rng.choice(history)
         elif kind == "huge":
             frames = [rng.randbytes(max_bytes + 1024), b"x" * 32]
         else:
             frames = codec.pack(rng.choice(templates), client_id, seq)
-        if len(history) < 256 and len(frames) == 2:
+        if len(history) < 256 and len(frames) == 3:  # the signed ones (header, mac, body)
             history.append(frames)
         try:
             sock.send_multipart(frames, zmq.NOBLOCK)
@@ -148,7 +146,7 @@ def _flooder(address: str, max_message_bytes: int, seconds: float, out: mp.Queue
     os.nice(10)
     codec = Codec(os.urandom(32))  # not the run secret
     frames = codec.pack(m.Status(), os.urandom(16), 1)
-    frames[0] = os.urandom(int(NEAR_LIMIT * max_message_bytes))  # the signed payload, replaced
+    frames[2] = os.urandom(int(NEAR_LIMIT * max_message_bytes))  # the body
     sock = zmq.Context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 2)  # blocks when the rank has not taken the last ones yet
@@ -158,7 +156,7 @@ def _flooder(address: str, max_message_bytes: int, seconds: float, out: mp.Queue
         if sock.poll(100, zmq.POLLOUT):
             sock.send_multipart(frames, copy=False)
             sent += 1
-    out.put({"flooded": sent, "flood_mb": sent * len(frames[0]) / 1e6})
+    out.put({"flooded": sent, "flood_mb": sent * len(frames[2]) / 1e6})
     sock.close(0)
 
 

@@ -110,10 +110,12 @@ class DataflowServer:
         if self.sock.poll(int(timeout * 1000)):
             for _ in range(MAX_DRAIN):
                 try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                    # not copied: a body (up to max_message_mb) is read in place, and one with a
+                    # wrong signature is never read at all (protocol/codec.py)
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._on_message(frames)
+                self._on_message([frames[0].bytes, *(f.buffer for f in frames[1:])])
         now = self.state.clock()
         self.state.tick(now)
         self._retry_parked(now)
@@ -125,7 +127,7 @@ class DataflowServer:
                 self.state.counters["reply_dropped"] += 1
         self.outbox.clear()
 
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _on_message(self, frames: list[bytes | memoryview]) -> None:
         identity, body = frames[0], frames[1:]
         try:
             env, request = self.codec.request(body)

@@ -194,9 +194,9 @@ def test_hostile_input_is_rejected_and_service_continues(tmp_path):
         codec = Codec(secret)
         attempts = {
             "garbage": [b"\x00\xff garbage"],
-            "junk frames": [b"a", b"b", b"c"],
+            "junk frames": [b"a", b"b", b"c", b"d"],  # not the three of a message
             "wrong signature": Codec(b"x" * 32).pack(m.Status(), b"r" * 16, 1),
-            "unsigned": [codec.pack(m.Status(), b"r" * 16, 2)[0], b""],
+            "unsigned": [codec.pack(m.Status(), b"r" * 16, 2)[0], b"", codec.pack(m.Status(), b"r" * 16, 2)[2]],
             # over the 1 MiB limit: counted and dropped by the codec
             "oversized": codec.pack(m.Heartbeat("w", {"x" * (3 << 19): 1}), b"r" * 16, 3),
             # over twice the limit: ZeroMQ drops the connection before buffering it
