@@ -63,6 +63,7 @@ class Vocabulary:
         self.path = Path(model_dir) / "config.json"
         self.size: int | None = None
         self._next_look = float("-inf")
+        self._complained = False
 
     def get(self, now: float) -> int | None:
         if self.size is None and now >= self._next_look:
@@ -74,15 +75,27 @@ class Vocabulary:
         try:
             cfg = json.loads(self.path.read_text())
         except FileNotFoundError:
-            return None
+            return None  # not prepared yet
         except (OSError, ValueError) as e:
-            log.error("%s: unreadable (%s); token ids are checked against the vocabulary once it is", self.path, e)
-            return None
-        size = cfg.get("vocab_size", cfg.get("text_config", {}).get("vocab_size"))
-        if type(size) is not int or size < 1:
-            log.error("%s: no positive integer vocab_size; token ids are only checked to be >= 0", self.path)
-            return None
-        return size
+            problem = f"unreadable ({e})"
+        else:
+            size = _vocab_size(cfg)
+            if size is not None:
+                return size
+            problem = "no positive integer vocab_size"
+        if not self._complained:  # it is looked at again every second: say it once
+            self._complained = True
+            log.error("%s: %s; until it is readable, token ids are only checked to be >= 0", self.path, problem)
+        return None
+
+
+def _vocab_size(cfg: object) -> int | None:
+    """`vocab_size` of a transformers config (top level, or a multimodal one's `text_config`)."""
+    if not isinstance(cfg, dict):
+        return None
+    text = cfg.get("text_config")
+    size = cfg.get("vocab_size", text.get("vocab_size") if isinstance(text, dict) else None)
+    return size if type(size) is int and size > 0 else None
 
 
 def check_commit(trajs: TrajectoryBatch, versions: dict[str, int], policy_index: dict[str, int],

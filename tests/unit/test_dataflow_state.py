@@ -519,3 +519,18 @@ def test_dead_workers_are_forgotten_after_a_grace_period_but_their_restart_count
     state.tick()
     assert not state.workers.workers and state.handle(m.Status()).status["workers"]["dead"] == 0
     assert register(state, "w0") == "w0.r2" and register(state, "w7") == "w7.r1"
+
+
+def test_an_unreadable_model_config_does_not_stop_commits(env, caplog):
+    run, state, clock = env
+    (run.path / "model").mkdir()
+    (run.path / "model" / "config.json").write_text("[1, 2]")  # JSON, but not a model's config
+    w = register(state)
+    for _ in range(3):
+        (task,) = state.handle(m.Lease(w, 1)).tasks
+        assert state.handle(m.Commit(w, task.task_id, group(task.task_id, [0, 1, 0, 1]))).status == "stored"
+        clock.t += 2
+    assert state.vocabulary.size is None
+    assert [r.getMessage() for r in caplog.records].count(
+        f"{run.path / 'model' / 'config.json'}: no positive integer vocab_size; until it is readable, token ids "
+        f"are only checked to be >= 0") == 1
