@@ -3,7 +3,8 @@
 Schema (schema_version 1), consumed by `astraflow inspect`, `astraflow status` and the
 elastic controller:
     schema_version, time, uptime_s, incarnation
-    workers:  alive, dead, by_partition{p: n}, list[{id, alive, partition, hardware, host, pid, base,
+    workers:  alive, dead (in the last 5 minutes: then forgotten), by_partition{p: n},
+              list[{id, alive, partition, hardware, host, pid, base,
               draining, policies, leases, trajectories, tokens, trajectories_per_s,
               tokens_per_s, versions}]
     tasks:    created, queued, leased, done, requeued, exhausted, skipped (prompt selection)
