@@ -24,7 +24,7 @@ import numpy as np
 
 from astraflow.protocol.wire import array_field
 
-PROTOCOL_VERSION = 4  # 2: lease and commit replies carry `latest`; 3: `Stopped`; 4: chat tasks
+PROTOCOL_VERSION = 5  # 2: lease and commit replies carry `latest`; 3: `Stopped`; 4: signed header + body frames; 5: chat tasks
 
 
 @dataclass(frozen=True)
