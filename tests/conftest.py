@@ -123,6 +123,24 @@ def require(module: str):
     return pytest.importorskip(module, reason=f"{module} is not installed here (make test installs it)")
 
 
+def hf_engine(model_dir: Path, seed: int = 0, **kw):
+    """An hf engine on `model_dir`, with the directory's tokenizer as `.tok` (tests only: a
+    worker keeps its tokenizer apart from its engines)."""
+    from astraflow.models.tokenizer import ModelTokenizer
+    from astraflow.rollout.engines.hf import HFEngine
+
+    engine = HFEngine(model_dir, seed=seed)
+    engine.tok = ModelTokenizer(model_dir, **kw)
+    return engine
+
+
+def constant(value: float):
+    """A reward that gives every completion `value` (as a Scorer is called)."""
+    async def reward(completion: str, answer: str, row: dict | None = None) -> float:
+        return value
+    return reward
+
+
 STORE_POLICIES = ("solver", "verifier")
 
 

@@ -20,6 +20,7 @@ PROMPTS = 256
 
 def measure(engine_kind: str, size: str, max_tokens: int) -> dict:
     from astraflow.models.factory import make_model
+    from astraflow.models.tokenizer import ModelTokenizer
     from astraflow.rollout.engines import ENGINES
     from astraflow.rollout.engines.base import SamplingParams
 
@@ -27,8 +28,9 @@ def measure(engine_kind: str, size: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     engine = ENGINES[engine_kind](str(model_dir), max_batch=PROMPTS, seed=0)
     load_s = time.perf_counter() - t0
-    prompts = [engine.codec.encode_prompt(f"{i}+{i % 17}=") for i in range(PROMPTS)]
-    params = SamplingParams(max_tokens, 1.0)
+    tokenizer = ModelTokenizer(model_dir)
+    prompts = [tokenizer.encode_prompt(f"{i}+{i % 17}=") for i in range(PROMPTS)]
+    params = SamplingParams(max_tokens, 1.0, stop=tokenizer.stop_ids)
 
     async def one_round() -> float:
         t = time.perf_counter()

@@ -67,7 +67,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _make_model(args: argparse.Namespace) -> int:
     from astraflow.models.factory import make_model
 
-    print(make_model(args.arch, args.size, args.out_dir, seed=args.seed))
+    print(make_model(args.like, args.size, args.out_dir, seed=args.seed, tokenizer=args.tokenizer, tied=args.tied))
     return 0
 
 
@@ -79,6 +79,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from astraflow.config.rundir import RunDir
     from astraflow.heap import long_lived
     from astraflow.models import base_model_dir, policy_model_dir
+    from astraflow.models.directory import check_model_dir
     from astraflow.tasks.sources import TaskSource
 
     with long_lived():  # torch and transformers
@@ -88,12 +89,14 @@ def _prepare(args: argparse.Namespace) -> int:
     run = RunDir.open(args.run_dir)
     cfg = run.config
     base = base_model_dir(run.path, cfg.model.path)
-    if not (base / "config.json").exists():
-        source = TaskSource(cfg.tasks)
-        corpus = [i.prompt + i.answer for i in source.train + source.heldout + source.warmup]
+    if cfg.model.path:  # a configured model is used as it is: never built in place of a missing one
+        check_model_dir(base)
+    elif not (base / "config.json").exists():
+        m = cfg.model
         tmp = run.path / "model.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        make_model(cfg.model.arch, cfg.model.size, tmp, seed=cfg.model.seed, corpus=corpus)
+        make_model(m.like, m.size, tmp, seed=m.seed, corpus=TaskSource(cfg.tasks).corpus(), tokenizer=m.tokenizer,
+                   tied=m.tied)
         tmp.rename(base)
     for policy in cfg.policies:
         target = policy_model_dir(run.path, cfg, policy.name)
@@ -137,7 +140,7 @@ def _train(args: argparse.Namespace) -> int:
     from astraflow.launch.supervisor import EXIT_STOPPED
 
     with long_lived():  # torch and transformers
-        from astraflow.trainer.torch_backend import run_trainer
+        from astraflow.trainer.loop import run_trainer
 
     _exit_now(0 if run_trainer(args.run_dir, args.policy) else EXIT_STOPPED)
 
@@ -207,6 +210,15 @@ def _bench_staleness(args: argparse.Namespace) -> int:
     result = run_bench(args.config, args.seeds, args.target, args.set)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+def _bench_learn(args: argparse.Namespace) -> int:
+    from astraflow.bench.learn import run_bench
+
+    result = run_bench(args.config, args.seeds, args.set, args.first_at_most, args.last_at_least, args.heldout_gain,
+                       args.wall_s)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0 if result["passed"] else 1
 
 
 def _env_server(args: argparse.Namespace) -> int:
@@ -284,10 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_status)
 
-    p = sub.add_parser("make-model", help="write a tiny real HF model with a locally trained tokenizer")
+    p = sub.add_parser("make-model", help="write a random-init HF model directory of a family, with a tokenizer "
+                                          "trained locally (no downloads)")
     p.add_argument("out_dir")
-    p.add_argument("--arch", default="qwen2", choices=("qwen2", "llama"))
-    p.add_argument("--size", default="tiny", choices=("tiny", "small"))
+    p.add_argument("--like", default="qwen2.5", choices=("qwen2.5", "llama3", "qwen2", "llama"),
+                   help="the family whose config fields, special tokens and chat template to use")
+    p.add_argument("--size", default="tiny", help="tiny, small; the real shapes 0.5b, 1.5b (qwen2.5), 1b (llama3)")
+    p.add_argument("--tokenizer", default="", choices=("", "bpe", "char"), help="default: the family's")
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                   help="tie input and output embeddings (default: as the family at that size)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_make_model)
 
@@ -381,6 +398,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_staleness)
+
+    b = bsub.add_parser("learn", help="run a config over seeds: rewards, held-out scores, wall time (exit 1 if the "
+                                      "medians miss the targets)")
+    b.add_argument("--config", default="configs/math_chat.yaml")
+    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for every run")
+    b.add_argument("--first-at-most", type=float, default=0.3, help="generated reward over the first 10%% of steps")
+    b.add_argument("--last-at-least", type=float, default=0.6, help="generated reward over the last 10%% of steps")
+    b.add_argument("--heldout-gain", type=float, default=0.2, help="greedy held-out score, last minus starting weights")
+    b.add_argument("--wall-s", type=float, default=600.0, help="seconds per run, everything included")
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.set_defaults(fn=_bench_learn)
     return parser
 
 

@@ -135,8 +135,8 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('policies')}: policies: at most 127 policies")
     _check_roles(cfg, where)
     _check_pools(cfg, where)
-    if cfg.tasks.kind == "jsonl" and not cfg.tasks.path:
-        raise ConfigError(f"{where.at('tasks')}: tasks.path: required when tasks.kind is 'jsonl'")
+    if cfg.tasks.kind in ("jsonl", "parquet", "hf_disk") and not cfg.tasks.path:
+        raise ConfigError(f"{where.at('tasks')}: tasks.path: required when tasks.kind is {cfg.tasks.kind!r}")
     e = cfg.elastic
     if not 0 <= e.min_workers <= e.max_workers or e.step < 1:
         raise ConfigError(f"{where.at('elastic')}: elastic: expected 0 <= min_workers <= max_workers and step >= 1")
@@ -150,6 +150,7 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
     if not 0.0 < sel.explore <= 1.0 or sel.max_streak < 1:
         raise ConfigError(f"{where.at('selection')}: selection: expected 0 < explore <= 1 and max_streak >= 1, "
                           f"got explore={sel.explore}, max_streak={sel.max_streak}")
+    _check_trainer_shapes(cfg, where)
     t = cfg.trainer
     if t.lr_warmup_steps < 0 or not 0.0 <= t.lr_min_ratio <= 1.0:
         raise ConfigError(f"{where.at('trainer')}: trainer: expected lr_warmup_steps >= 0 and 0 <= lr_min_ratio <= 1")
@@ -163,6 +164,26 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('workflow.verifier_contrast')}: workflow.verifier_contrast: only the "
                           f"solver_verifier workflow has a verifier that judges answers it is shown; "
                           f"tasks.workflow is {cfg.tasks.workflow!r}: set it to false")
+
+
+def _check_trainer_shapes(cfg: Config, where: _Where) -> None:
+    """A step's batch is dealt to the group's ranks evenly, and each rank's share cut into
+    `minibatches`: a batch that does not divide would leave ranks waiting on each other."""
+    world = cfg.trainer.world
+    if world < 1:
+        raise ConfigError(f"{where.at('trainer.world')}: trainer.world: expected >= 1, got {world}")
+    for p in cfg.policies:
+        t = cfg.trainer_for(p.name)
+        key = f"policies.{p.name}.batch_size" if p.batch_size is not None else "trainer.batch_size"
+        if t.batch_size < 1 or t.batch_size % world:
+            raise ConfigError(f"{where.at(key)}: {key}: {t.batch_size} samples do not divide across trainer.world="
+                              f"{world} ranks; expected a multiple of {world}")
+        if t.minibatches < 1 or t.batch_size // world < t.minibatches:
+            raise ConfigError(f"{where.at(key)}: {key}: each rank's {t.batch_size // world} samples cannot make "
+                              f"minibatches={t.minibatches}; expected at least one sample per minibatch")
+    if cfg.trainer.max_tokens_per_microbatch < 0 or cfg.trainer.logprob_chunk_tokens < 1:
+        raise ConfigError(f"{where.at('trainer')}: trainer: expected max_tokens_per_microbatch >= 0 (0: no limit) "
+                          f"and logprob_chunk_tokens >= 1")
 
 
 def _check_roles(cfg: Config, where: _Where) -> None:

@@ -83,27 +83,51 @@ WORKFLOW_ROLES: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class TaskSourceConfig:
-    kind: str = choice("arithmetic", "arithmetic", "jsonl")
-    path: str = ""  # jsonl: one {"prompt": ..., "answer": ...} object per line
+    """Where prompts come from (astraflow/tasks/): a generator or a data set, split into a
+    held-out, a warm-up and a training part, and how each completion is scored."""
+    kind: str = choice("arithmetic", "arithmetic", "word_problems", "jsonl", "parquet", "hf_disk")
+    # jsonl / parquet: a file; hf_disk: a directory written by `datasets` `save_to_disk`
+    path: str = ""
+    split: str = ""  # hf_disk: the split of a saved DatasetDict ("" for a saved Dataset)
+    # data sets: the fields that hold the prompt (text), the reference answer, and, instead of
+    # the prompt, chat messages (a list of {role, content}); other fields reach user rewards
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    messages_key: str = ""
+    solution_key: str = ""  # a worked solution: the warm-up's target and reference guidance ("" = the answer)
+    # render plain prompts through the model's chat template as a user message (prompts that
+    # are messages always are), with this system prompt when the messages have none
+    chat_template: bool = False
+    system_prompt: str = ""
     seed: int = 0
     # arithmetic: operands are drawn from [0, max_operand]; the answer is the full result, its
-    # units digit or its parity
+    # units digit or its parity. word_problems: the largest quantity in a story.
     max_operand: int = 20
     answer: str = choice("full", "full", "units", "parity")
     ops: str = "+-"  # which of + and - to generate (two operands)
-    operands: int = 2  # more than 2: sums of that many operands
+    operands: int = 2  # arithmetic: more than 2 sums that many; word_problems: quantities in a story
+    # word_problems: the warm-up's target and the reference answer work the story out line by
+    # line ("7 - 2 = 5") before "The answer is \boxed{5}."; false: the boxed answer alone
+    worked_solution: bool = True
     pad_operands: bool = False  # "07+15=" instead of "7+15="
     reverse_answer: bool = False  # answer digits least significant first
-    # Number of held-out prompts never handed out for training (evaluation split).
-    heldout: int = 200
-    # Number of prompts reserved for the supervised warm-up (disjoint from both other splits).
-    warmup: int = 0
+    # Prompts never handed out for training (evaluation split) and prompts reserved for the
+    # supervised warm-up; the three splits are disjoint. A value >= 1 is a count, below 1 a
+    # fraction of the rows (data sets: by a hash of each row's content, so a row keeps its
+    # split when rows are appended).
+    heldout: float = 200
+    warmup: float = 0
     # Rollouts per task (one GRPO group).
     group_size: int = 8
     # Stop handing out tasks after this many (0 = unlimited, cycling through the source).
     max_tasks: int = 0
     workflow: str = choice("rlvr", "rlvr", "solver_verifier", "solve_and_check", "multi_turn_tool")
-    reward: str = choice("exact_match", "exact_match", "math_verify")
+    # a registered reward (workflows/rewards.py: exact_match, math_verify, boxed_math, code_tests)
+    # or a user's `package.module:function`, called as f(completion, answer) or
+    # f(completion, answer, row); sync or async. One that raises or outlasts the timeout
+    # scores 0 and is counted.
+    reward: str = "exact_match"
+    reward_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -132,10 +156,17 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = ""  # an HF model directory; empty = build one from arch/size into RUN_DIR/model
-    arch: str = choice("qwen2", "qwen2", "llama")
-    size: str = choice("tiny", "tiny", "small")
+    """The policies' starting model: a Hugging Face directory (Qwen2/Qwen2.5/Qwen3, Llama,
+    Mistral), or one built from config into RUN_DIR/model (astraflow/models/families.py)."""
+    path: str = ""  # a Hugging Face model directory; empty: build `like` at `size`
+    like: str = choice("qwen2", "qwen2", "llama", "qwen2.5", "llama3")
+    size: str = "tiny"  # tiny, small; the real shapes 0.5b, 1.5b (qwen2.5) and 1b (llama3)
+    tokenizer: str = choice("", "", "bpe", "char")  # "": the family's (char for qwen2/llama, bpe otherwise)
+    tied: bool | None = None  # tied input/output embeddings; None: as the family at that size
     seed: int = 0
+    # Training precision: auto = bf16 compute with fp32 master weights and optimizer state on a
+    # GPU, fp32 on a CPU. Published weights are in this dtype.
+    dtype: str = choice("auto", "auto", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -154,6 +185,12 @@ class EngineConfig:
     threads: int = 1  # OpenMP threads per engine process (OMP_NUM_THREADS, unless the environment sets it)
     max_batch: int = 256
     batch_wait_ms: float = 5.0  # how long a batch may wait to fill (see engines/batching.py)
+    # auto: bf16 on a GPU, fp32 on a CPU (vLLM's CPU kernels die with SIGILL in bf16 here)
+    dtype: str = choice("auto", "auto", "bfloat16", "float32")
+    max_model_len: int = 0  # vllm: longest prompt + completion; 0 = the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.85  # vllm on a GPU
+    tensor_parallel_size: int = 1  # vllm
+    enforce_eager: bool | None = None  # vllm; None: eager on a CPU, CUDA graphs on a GPU
 
 
 @dataclass(frozen=True)
@@ -249,6 +286,13 @@ class TrainerConfig:
     checkpoint_every: int = 10
     world: int = 1
     threads: int = 1
+    # Memory at LLM scale: a minibatch is cut into micro-batches of at most this many tokens
+    # (padding included; sequences of similar length go together) whose gradients accumulate;
+    # 0: one pass per minibatch. Logits exist for `logprob_chunk_tokens` trained positions at
+    # a time, never for the whole (batch, length, vocabulary).
+    max_tokens_per_microbatch: int = 0
+    logprob_chunk_tokens: int = 1024
+    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)

@@ -417,7 +417,8 @@ class DataflowState:
                 break
             self.tasks.lease(tid, worker.worker_id, now, self.cfg.dataflow.lease_s, req.versions)
             item = self.source.item(tid)
-            tasks.append(m.Task(tid, self.cfg.dataflow.lease_s, item.prompt, item.answer, group, list(needed)))
+            tasks.append(m.Task(tid, self.cfg.dataflow.lease_s, item.prompt, item.answer, group, list(needed),
+                                messages=list(item.messages), solution=item.solution, row=item.row))
         if self.tasks.next_id > self.task_hwm:
             self.task_hwm = self.tasks.next_id + TASK_HWM_BLOCK
             self.journal.append("tasks", hwm=self.task_hwm)

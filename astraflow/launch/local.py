@@ -20,8 +20,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from astraflow.config.rundir import RunDir
 from astraflow.launch import components
+from astraflow.launch.inputs import open_run_checked
 from astraflow.launch.progress import Progress
 from astraflow.launch.summary import start_eval, training_done, write_summary
 from astraflow.launch.supervisor import ComponentFailed, Supervisor
@@ -52,7 +52,7 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
         if config is None:
             raise SystemExit("astraflow run: give a config file or --run-dir of an existing run")
         run_dir = f"runs/{Path(config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run = RunDir.create_or_open(run_dir, config, overrides)
+    run = open_run_checked(run_dir, config, overrides)
     cfg = run.config
     started = time.time()
     os.environ["ASTRAFLOW_SESSION"] = f"local-{os.getpid()}-{int(started)}"

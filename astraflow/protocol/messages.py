@@ -24,7 +24,7 @@ import numpy as np
 
 from astraflow.protocol.wire import array_field
 
-PROTOCOL_VERSION = 4  # 2: lease and commit replies carry `latest`; 3: `Stopped`; 4: signed header + body frames
+PROTOCOL_VERSION = 5  # 2: lease and commit replies carry `latest`; 3: `Stopped`; 4: signed header + body frames; 5: chat tasks
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,13 @@ class Task:
     group_size: int
     policies: list[str]
     meta: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] = field(default_factory=list)  # chat messages in place of the prompt
+    solution: str = ""  # a worked solution (reference guidance); "" = the answer
+    row: dict[str, Any] = field(default_factory=dict)  # the data set row's other fields (user rewards)
+
+    @property
+    def target(self) -> str:
+        return self.solution or self.answer
 
 
 # ------------------------------------------------------------------ requests

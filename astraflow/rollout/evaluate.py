@@ -25,34 +25,36 @@ import numpy as np
 
 from astraflow.config.rundir import RunDir
 from astraflow.config.schema import Config
+from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.rollout.engines import import_library
-from astraflow.rollout.engines.base import Engine, SamplingParams
-from astraflow.rollout.worker import build_engines
+from astraflow.rollout.engines.base import Engine
+from astraflow.rollout.worker import build_engines, run_tokenizer, sampling_params
 from astraflow.tasks.sources import Item, TaskSource
 from astraflow.workflows.cotrain import accepted, judge_context, wrong_answer
-from astraflow.workflows.rewards import REWARDS
+from astraflow.workflows.rewards import Scorer
 
 METRICS = {"policy": "accuracy", "solver": "accuracy", "verifier": "balanced_accuracy"}
 
 
-async def _greedy(engine: Engine, contexts: list[list[int]], max_tokens: int) -> list[str]:
-    params = SamplingParams(max_tokens, temperature=0.0)
+async def _greedy(engine: Engine, tokenizer: ModelTokenizer, contexts: list[list[int]], cfg: Config) -> list[str]:
+    params = sampling_params(cfg, tokenizer, temperature=0.0)
     outs = await asyncio.gather(*(engine.generate(c, params) for c in contexts))
-    return [engine.codec.decode(o.tokens) for o in outs]
+    return [tokenizer.decode(o.tokens) for o in outs]
 
 
-async def _accuracy(engine: Engine, items: list[Item], cfg: Config) -> float:
-    reward = REWARDS[cfg.tasks.reward]
-    texts = await _greedy(engine, [engine.codec.encode_prompt(i.prompt) for i in items], cfg.engine.max_tokens)
-    return sum(reward(t, i.answer) for t, i in zip(texts, items)) / len(items)
+async def _accuracy(engine: Engine, tokenizer: ModelTokenizer, items: list[Item], cfg: Config) -> float:
+    score = Scorer(cfg.tasks.reward, cfg.tasks.reward_timeout_s)
+    texts = await _greedy(engine, tokenizer, [tokenizer.encode_prompt(i.prompt, i.messages) for i in items], cfg)
+    rewards = await asyncio.gather(*(score(t, i.answer, i.row) for t, i in zip(texts, items)))
+    return sum(rewards) / len(items)
 
 
-async def _balanced_accuracy(engine: Engine, items: list[Item], cfg: Config) -> float:
-    codec, rng = engine.codec, np.random.default_rng(cfg.run.seed)
+async def _balanced_accuracy(engine: Engine, tokenizer: ModelTokenizer, items: list[Item], cfg: Config) -> float:
+    rng = np.random.default_rng(cfg.run.seed)
     cases = [(c, truth) for i in items for c, truth in ((i.answer, True), (wrong_answer(i, rng), False))]
-    contexts = [judge_context(codec, codec.encode_prompt(i.prompt), codec.encode_completion(c))
+    contexts = [judge_context(tokenizer, tokenizer.encode_prompt(i.prompt, i.messages), tokenizer.encode_completion(c))
                 for i, (c, _) in zip([i for i in items for _ in (0, 1)], cases)]
-    verdicts = [accepted(t) for t in await _greedy(engine, contexts, cfg.engine.max_tokens)]
+    verdicts = [accepted(t) for t in await _greedy(engine, tokenizer, contexts, cfg)]
     truths = np.array([t for _, t in cases])
     accept = np.array(verdicts)
     return float(((accept & truths).sum() / truths.sum() + (~accept & ~truths).sum() / (~truths).sum()) / 2)
@@ -66,15 +68,19 @@ def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) 
     policy's starting weights and the last published version, loaded into the same engine."""
     cfg = run.config
     items = TaskSource(cfg.tasks).heldout
+    if not items:
+        training_done()
+        return {"eval": {}, "eval_skipped": "tasks.heldout is 0: no held-out prompts to evaluate on"}
     metrics = {p.name: METRICS[p.role] for p in cfg.policies if p.role in METRICS}
     import_library(cfg.engine)
     training_done()
     engines = build_engines(run, list(metrics))
+    tokenizer = run_tokenizer(run)
 
     async def score(name: str, weights_dir: Path | None = None) -> float:
         if weights_dir is not None:
             await engines[name].load_weights(weights_dir, version=-1)
-        return await SCORERS[metrics[name]](engines[name], items, cfg)
+        return await SCORERS[metrics[name]](engines[name], tokenizer, items, cfg)
 
     out: dict = {"eval": {}}
     try:

@@ -32,10 +32,13 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
+from astraflow import hardware
 from astraflow.config.rundir import RunDir
+from astraflow.config.schema import Config
 from astraflow.environments.client import EnvironmentClient
 from astraflow.heap import long_lived, serving
 from astraflow.models import wait_for_model
+from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol import messages as m
 from astraflow.protocol.aclient import AsyncClient
 from astraflow.protocol.client import moved_to, read_rendezvous, wait_rendezvous
@@ -46,7 +49,7 @@ from astraflow.slurm.env import partition, rollout_worker_id
 from astraflow.weights.fs import path_of, verify
 from astraflow.sandbox import Sandbox
 from astraflow.workflows import WORKFLOWS, EpisodeContext, EpisodeError
-from astraflow.workflows.rewards import REWARDS
+from astraflow.workflows.rewards import Scorer
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +67,27 @@ def build_engines(run: RunDir, policies: list[str]) -> dict[str, Any]:
     The engine's library is imported first: a worker started with its run overlaps that
     import (vLLM: 6-10 s on 2 cores) with the model's preparation."""
     cfg = run.config
-    import_library(cfg.engine)
+    e = cfg.engine
+    import_library(e)
     with long_lived():  # frozen first: the build's own `gc.collect()` calls skip the library
-        return {p: ENGINES[cfg.engine.kind](str(wait_for_model(run.path, cfg, p)), max_batch=cfg.engine.max_batch,
-                                            threads=cfg.engine.threads, seed=cfg.run.seed,
-                                            batch_wait_s=cfg.engine.batch_wait_ms / 1e3)
+        return {p: ENGINES[e.kind](str(wait_for_model(run.path, cfg, p)), max_batch=e.max_batch, threads=e.threads,
+                                   seed=cfg.run.seed, batch_wait_s=e.batch_wait_ms / 1e3, dtype=e.dtype,
+                                   max_model_len=e.max_model_len, gpu_memory_utilization=e.gpu_memory_utilization,
+                                   tensor_parallel_size=e.tensor_parallel_size, enforce_eager=e.enforce_eager)
                 for p in policies}
+
+
+def run_tokenizer(run: RunDir) -> ModelTokenizer:
+    """The tokenizer every policy of the run shares (records of several policies may share one
+    sequence), with the task's prompt format."""
+    cfg = run.config
+    return ModelTokenizer(wait_for_model(run.path, cfg, cfg.policy_names[0]), chat=cfg.tasks.chat_template,
+                          system_prompt=cfg.tasks.system_prompt)
+
+
+def sampling_params(cfg: Config, tokenizer: ModelTokenizer, temperature: float | None = None) -> SamplingParams:
+    e = cfg.engine
+    return SamplingParams(e.max_tokens, e.temperature if temperature is None else temperature, stop=tokenizer.stop_ids)
 
 
 class RolloutWorker:
@@ -94,6 +112,7 @@ class RolloutWorker:
         self.pause_until = 0.0  # no leases before this (monotonic), after episode failures
         self.engine_load_s = 0.0
         self.newer_weights = asyncio.Event()  # a reply said a newer version is out: load it now
+        self.hardware = ""  # described once the engines are built: torch must load after OMP_NUM_THREADS is set
         self.registering = asyncio.Lock()  # one registration at a time (see rpc)
 
     # ------------------------------------------------------------- plumbing
@@ -126,7 +145,7 @@ class RolloutWorker:
     async def register(self) -> None:
         reply = await self.client.call(m.Register(
             m.PROTOCOL_VERSION, self.base_id, self.policies, capacity=self.cfg.rollout.concurrency,
-            hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
+            hardware=self.hardware,
             partition=partition(), host=socket.gethostname(), pid=os.getpid(), engine_load_s=self.engine_load_s))
         self.worker_id = reply.worker_id
         self.heartbeat_s = reply.heartbeat_s
@@ -243,13 +262,14 @@ class RolloutWorker:
             t0 = time.perf_counter()
             self.engines = build_engines(self.rundir, self.policies)
             self.engine_load_s = time.perf_counter() - t0
+        self.hardware = hardware.describe()
         self.acks = open(self.rundir.path / "logs" / f"acks-{self.base_id}.jsonl", "a")
-        codec = next(iter(self.engines.values())).codec
+        tokenizer = run_tokenizer(self.rundir)
         self.workflow = WORKFLOWS[cfg.tasks.workflow].run
         self.ctx = EpisodeContext(
-            engines=self.engines, codec=codec,
-            params=SamplingParams(cfg.engine.max_tokens, cfg.engine.temperature),
-            reward=REWARDS[cfg.tasks.reward], policy_index={p: i for i, p in enumerate(cfg.policy_names)},
+            engines=self.engines, tokenizer=tokenizer, params=sampling_params(cfg, tokenizer),
+            reward=Scorer(cfg.tasks.reward, cfg.tasks.reward_timeout_s),
+            policy_index={p: i for i, p in enumerate(cfg.policy_names)},
             rng=np.random.default_rng([cfg.run.seed, os.getpid()]), roles=cfg.roles, workflow=cfg.workflow,
             environment=await self.environment(), tools=Sandbox(hide=(str(self.rundir.path),)))
         self.client = AsyncClient(wait_rendezvous(self.rundir.path)["address"], self.rundir.read_secret(), timeout_s=10)
@@ -267,8 +287,8 @@ class RolloutWorker:
                 t.cancel()
             await self.hand_back()
             # the worker's own ledger, for tests and post-mortems: what the rank acknowledged
-            log.info("commits acknowledged: %d, episodes handed back after an environment or tool failure: %d",
-                     self.committed, self.episode_failures)
+            log.info("commits acknowledged: %d, episodes handed back after an environment or tool failure: %d, "
+                     "rewards failed: %s", self.committed, self.episode_failures, dict(self.ctx.reward.failures))
             if self.own_engines:
                 for e in self.engines.values():
                     e.close()

@@ -24,6 +24,7 @@ import time
 
 from astraflow.config.rundir import RunDir
 from astraflow.launch import components
+from astraflow.launch.inputs import open_run_checked
 from astraflow.launch.summary import write_summary
 from astraflow.launch.supervisor import EXIT_STOPPED, ComponentFailed, GroupGeneration, Supervisor
 from astraflow.protocol.client import wait_rendezvous
@@ -74,7 +75,7 @@ class Node:
         """Rank 0 only: open the run, check the step's shape, prepare, start the dataflow rank."""
         if self.task.role != "dataflow":
             raise RuntimeError(f"rank 0 must be the dataflow task (het group 0), not {self.task.role}")
-        run = RunDir.create_or_open(self.run_dir, self.config, self.overrides)
+        run = open_run_checked(self.run_dir, self.config, self.overrides)
         cfg = run.config
         trainers = sum(p["role"] == "trainer" for p in peers)
         if trainers != cfg.trainer.world * len(cfg.policy_names):

@@ -1,105 +1,126 @@
-"""Prompt sources: where tasks come from.
+"""Prompt sources: where tasks come from, split into held-out, warm-up and training parts.
 
-A source is a fixed list of (prompt, answer) items split once, by a seeded permutation, into
-a held-out evaluation split (never handed out for training), a warm-up split (supervised
-warm-up only) and the training split; the three are disjoint. Task
-ids are dense integers; task `i` is training item `perm_e[i % n]` of epoch `e = i // n`,
+A source is a list of rows (`Rows`: a generator's items in memory, or a data set read on
+demand) split once into a held-out evaluation part (never handed out for training), a
+warm-up part (supervised warm-up only) and the training part; the three are disjoint.
+- Generated sources split by a seeded permutation (their rows never change).
+- Data sets split by a seeded hash of each row's content: a row keeps its split when rows
+  are appended (exactly for fractional sizes; for counts, a new row takes a held-out place
+  only if it hashes below the last one), and identical rows always share a split, so a
+  duplicated prompt cannot leak from training into the evaluation.
+
+Task ids are dense integers; task `i` is training row `perm_e[i % n]` of epoch `e = i // n`,
 each epoch with its own seeded permutation. The mapping is a pure function of the config,
 so a restarted dataflow rank hands out exactly the same task for the same id.
 
-Registry: `SOURCES` (explicit table, name -> builder).
+Registry: `SOURCES` (explicit table, kind -> builder). Every row is validated when the
+source is built, so a bad row stops the run before any component starts, naming its file,
+line (or row) and field.
 """
 from __future__ import annotations
 
-import itertools
-import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
 from astraflow.config.loader import ConfigError
 from astraflow.config.schema import TaskSourceConfig
+from astraflow.tasks import datasets, generators
 
 
 @dataclass(frozen=True)
 class Item:
     prompt: str
-    answer: str
+    answer: str  # what the reward compares with
+    solution: str = ""  # a worked solution (warm-up target, reference guidance); "" = the answer
+    messages: tuple[dict[str, str], ...] = ()  # chat messages in place of the prompt text
+    row: dict[str, Any] = field(default_factory=dict, compare=False)  # the row's other fields, for user rewards
+
+    @property
+    def target(self) -> str:
+        """The completion a supervised example or a reference answer writes out."""
+        return self.solution or self.answer
 
 
-def arithmetic_items(cfg: TaskSourceConfig) -> list[Item]:
-    """Every `a+b=` and `a-b=` (non-negative results; `ops` selects) with operands in [0, max_operand].
+class Rows(Protocol):
+    """A source's rows: `len`, random access, and (data sets) a content key per row."""
 
-    `answer` asks for the full result, its units digit, or its parity (0 even, 1 odd).
-    `pad_operands` writes operands zero-padded to one width ("07+15=") and `reverse_answer`
-    asks for the result's digits least significant first ("22" for 07+15, "42" for 09+15),
-    so that each answer digit depends on operand digits at fixed positions plus a carry.
-    None of these made the tiny model generalise to held-out prompts in minutes yet (see
-    docs/architecture.md, "Measured so far").
-    """
-    m = cfg.max_operand
-    width = len(str(m)) if cfg.pad_operands else 0
-    show = {"full": str, "units": lambda r: str(r % 10), "parity": lambda r: str(r % 2)}[cfg.answer]
+    def __len__(self) -> int: ...
 
-    def item(a: int, op: str, b: int, r: int) -> Item:
-        text = show(r)
-        return Item(f"{a:0{width}d}{op}{b:0{width}d}=", text[::-1] if cfg.reverse_answer else text)
+    def __getitem__(self, index: int) -> Item: ...
 
-    if cfg.operands > 2:  # sums of several operands: "3+4+2="
-        return [Item("+".join(f"{x:0{width}d}" for x in xs) + "=",
-                     show(sum(xs))[::-1] if cfg.reverse_answer else show(sum(xs)))
-                for xs in itertools.product(range(m + 1), repeat=cfg.operands)]
-    items = []
-    if "+" in cfg.ops:
-        items += [item(a, "+", b, a + b) for a in range(m + 1) for b in range(m + 1)]
-    if "-" in cfg.ops:
-        items += [item(a, "-", b, a - b) for a in range(m + 1) for b in range(a + 1)]
-    return items
+    def content_keys(self) -> np.ndarray | None: ...  # uint64 per row; None: split by permutation
 
 
-def jsonl_items(cfg: TaskSourceConfig) -> list[Item]:
-    path = Path(cfg.path)
-    items = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read prompts: {e.strerror}") from None
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{no}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ConfigError(f"{path}:{no}: expected an object with a string \"prompt\"")
-        answer = row.get("answer", "")
-        if not isinstance(answer, (str, int, float)):
-            raise ConfigError(f"{path}:{no}: \"answer\" must be a string or a number")
-        items.append(Item(row["prompt"], str(answer)))
-    return items
+class Split:
+    """Some rows of a source, in a fixed order, read on demand."""
+
+    def __init__(self, rows: Rows, indices: np.ndarray) -> None:
+        self.rows, self.indices = rows, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> Item:
+        return self.rows[int(self.indices[i])]
+
+    def __iter__(self) -> Iterator[Item]:
+        return (self.rows[int(i)] for i in self.indices)
 
 
-SOURCES: dict[str, Callable[[TaskSourceConfig], list[Item]]] = {
-    "arithmetic": arithmetic_items,
-    "jsonl": jsonl_items,
+SOURCES: dict[str, Callable[[TaskSourceConfig], Rows]] = {
+    "arithmetic": generators.arithmetic,
+    "word_problems": generators.word_problems,
+    "jsonl": datasets.JsonlRows,
+    "parquet": datasets.ParquetRows,
+    "hf_disk": datasets.DiskDatasetRows,
 }
+
+
+def _size(value: float, n: int, name: str) -> int:
+    if value < 0:
+        raise ConfigError(f"tasks.{name}: expected a count >= 1 or a fraction in [0, 1), got {value}")
+    return int(value) if value >= 1 else int(round(value * n))
+
+
+def _split(rows: Rows, cfg: TaskSourceConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Indices of the held-out, warm-up and training rows."""
+    n = len(rows)
+    heldout, warmup = _size(cfg.heldout, n, "heldout"), _size(cfg.warmup, n, "warmup")
+    if n <= heldout + warmup:
+        raise ConfigError(f"tasks: the {cfg.kind} source has {n} rows, not enough for heldout={heldout} + "
+                          f"warmup={warmup} plus training")
+    keys = rows.content_keys()
+    if keys is None:
+        order = np.random.default_rng([cfg.seed, 0]).permutation(n)
+    elif cfg.heldout < 1 and cfg.warmup < 1:  # fractions: thresholds on the hash, stable under appends
+        u = _mix(keys, cfg.seed) / float(1 << 64)
+        parts = [np.flatnonzero(u < cfg.heldout), np.flatnonzero((u >= cfg.heldout) & (u < cfg.heldout + cfg.warmup))]
+        return parts[0], parts[1], np.flatnonzero(u >= cfg.heldout + cfg.warmup)
+    else:
+        order = np.argsort(_mix(keys, cfg.seed), kind="stable")
+    cut = heldout + warmup
+    return order[:heldout], order[heldout:cut], order[cut:]
+
+
+def _mix(keys: np.ndarray, seed: int) -> np.ndarray:
+    """A seeded 64-bit mix of content keys (splitmix64's finaliser)."""
+    x = keys.astype(np.uint64) ^ np.uint64((seed * 0x9E3779B97F4A7C15) & (2**64 - 1))
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 class TaskSource:
     def __init__(self, cfg: TaskSourceConfig) -> None:
-        items = SOURCES[cfg.kind](cfg)
-        if len(items) <= cfg.heldout + cfg.warmup:
-            raise ConfigError(f"tasks: the {cfg.kind} source has {len(items)} items, not enough for "
-                              f"heldout={cfg.heldout} + warmup={cfg.warmup} plus training")
-        perm = np.random.default_rng([cfg.seed, 0]).permutation(len(items))
-        cut = cfg.heldout + cfg.warmup
-        self.heldout = [items[i] for i in perm[: cfg.heldout]]
-        self.warmup = [items[i] for i in perm[cfg.heldout:cut]]
-        self.train = [items[i] for i in perm[cut:]]
         self.cfg = cfg
+        self.rows = SOURCES[cfg.kind](cfg)
+        heldout, warmup, train = _split(self.rows, cfg)
+        self.heldout = [self.rows[int(i)] for i in heldout]
+        self.warmup = [self.rows[int(i)] for i in warmup]
+        self.train = Split(self.rows, train)
         self._epoch_perm: dict[int, np.ndarray] = {}
 
     @property
@@ -118,3 +139,12 @@ class TaskSource:
             perm = np.random.default_rng([self.cfg.seed, 1, epoch]).permutation(n)
             self._epoch_perm = {epoch: perm}  # tasks are drawn in order: keep one epoch
         return int(perm[i])
+
+    def corpus(self, limit: int = 20_000) -> list[str]:
+        """Texts of up to `limit` rows of every split (a tokenizer is trained on them)."""
+        texts = []
+        for part in (self.train, self.heldout, self.warmup):
+            for item, _ in zip(part, range(limit)):
+                prompt = item.prompt or " ".join(m.get("content", "") for m in item.messages)
+                texts.append(prompt + item.target)
+        return texts

@@ -1,4 +1,16 @@
-"""A served `BatchReply` as padded tensors for a causal LM (right padding)."""
+"""A served `BatchReply` as micro-batches for a causal LM, sized by tokens, trained tokens flat.
+
+Memory scales with tokens, not with batch × longest sequence: rows are sorted by length and
+packed greedily into micro-batches of at most `max_tokens` (rows × the longest row in the
+micro-batch, i.e. padding included; 0: one micro-batch), so a long sequence does not pad a
+batch of short ones. Each row is right-padded within its micro-batch.
+
+Only the tokens a policy trains on need a log-probability: the target at position j (the
+token at j+1) is kept when its loss mask is 1, as a flat index into the micro-batch's
+(rows, length - 1) grid, with its behaviour logprob, weight version and its row's advantage.
+`TokenBatch.of_rows` builds one from any list of token rows (every position a target), for
+scoring whole sequences in tests and parity checks.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,66 +22,77 @@ from astraflow.protocol.messages import BatchReply
 
 
 @dataclass
-class TrainBatch:
-    input_ids: torch.Tensor  # (B, L)
-    attention_mask: torch.Tensor  # (B, L)
-    targets: torch.Tensor  # (B, L-1): input_ids shifted left
-    loss_mask: torch.Tensor  # (B, L-1): which targets this policy trains on
-    behaviour_logp: torch.Tensor  # (B, L-1)
-    versions: torch.Tensor  # (B, L-1)
-    advantages: torch.Tensor  # (B,)
-    rewards: torch.Tensor  # (B,)
+class TokenBatch:
+    input_ids: torch.Tensor  # (B, L) right-padded
+    positions: torch.Tensor  # (N,) flat indices into (B, L - 1): where the trained targets are
+    targets: torch.Tensor  # (N,) token ids
+    behaviour_logp: torch.Tensor  # (N,)
+    versions: torch.Tensor  # (N,) weight version that generated each target
+    advantages: torch.Tensor  # (N,) the advantage of each target's row
+    rows: np.ndarray  # (B,) the rows of the served batch, in this micro-batch's order
 
-    def select(self, rows: slice) -> "TrainBatch":
-        return TrainBatch(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
+    @property
+    def tokens(self) -> int:
+        return len(self.targets)
+
+    def to(self, device: torch.device) -> "TokenBatch":
+        return TokenBatch(*(getattr(self, f).to(device) if isinstance(getattr(self, f), torch.Tensor)
+                            else getattr(self, f) for f in self.__dataclass_fields__))
+
+    @staticmethod
+    def of_rows(rows: list[list[int]], pad_id: int = 0, first: list[int] | None = None) -> "TokenBatch":
+        """Targets: every token of each row from `first[i]` on (default: all but the first);
+        behaviour, versions and advantages zero."""
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        keep = torch.zeros(len(rows), width - 1, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+            keep[i, (first[i] if first else 1) - 1: len(row) - 1] = True
+        positions = torch.nonzero(keep.reshape(-1)).squeeze(-1)
+        zeros = torch.zeros(len(positions))
+        return TokenBatch(ids, positions, ids[:, 1:].reshape(-1)[positions], zeros, zeros.long(), zeros,
+                          np.arange(len(rows)))
 
 
-def to_tensors(reply: BatchReply, pad_id: int) -> TrainBatch:
+def pack_rows(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Row indices grouped into micro-batches of at most `max_tokens` padded tokens each, by
+    length (a row longer than the budget goes alone)."""
+    order = np.argsort(lengths, kind="stable")
+    if max_tokens <= 0:
+        return [order] if len(order) else []
+    groups, current = [], []
+    for i in order:  # ascending: the row just added is the longest of its group
+        if current and (len(current) + 1) * int(lengths[i]) > max_tokens:
+            groups.append(np.array(current))
+            current = []
+        current.append(int(i))
+    if current:
+        groups.append(np.array(current))
+    return groups
+
+
+def micro_batches(reply: BatchReply, rows: np.ndarray, max_tokens: int, pad_id: int) -> list[TokenBatch]:
+    """The served rows `rows` (a minibatch) as micro-batches of at most `max_tokens`."""
     t = reply.trajectories
-    n, width = len(t), int(t.lengths.max())
-    ids = np.full((n, width), pad_id, np.int64)
-    attn = np.zeros((n, width), np.int64)
-    mask = np.zeros((n, width), np.float32)
-    lp = np.zeros((n, width), np.float32)
-    ver = np.full((n, width), -1, np.int64)
-    for i in range(n):
-        lo, hi = t.offsets[i], t.offsets[i + 1]
-        k = hi - lo
-        ids[i, :k] = t.tokens[lo:hi]
-        attn[i, :k] = 1
-        mask[i, :k] = t.loss_mask[lo:hi]
-        lp[i, :k] = t.logprobs[lo:hi]
-        ver[i, :k] = t.versions[lo:hi]
-    # the token at position j is predicted from positions < j: targets and their masks shift by one
-    return TrainBatch(torch.from_numpy(ids), torch.from_numpy(attn), torch.from_numpy(ids[:, 1:]),
-                      torch.from_numpy(mask[:, 1:]), torch.from_numpy(lp[:, 1:]), torch.from_numpy(ver[:, 1:]),
-                      torch.from_numpy(reply.advantages.astype(np.float32)),
-                      torch.from_numpy(t.reward.astype(np.float32)))
+    lengths = t.lengths[rows]
+    return [_micro_batch(reply, rows[group], pad_id) for group in pack_rows(lengths, max_tokens)]
 
 
-def log_policy(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
-    """log pi(. | prefix) for every position, (B, L-1, V), of the policy the engines sample
-    from: softmax(logits / temperature). Scoring at temperature 1 instead would make the
-    on-policy ratio pi_prox / mu differ from 1 on every token (below 1 on likely tokens, above
-    on unlikely ones), so the importance weights would reshape the gradient even with no lag.
-
-    No attention mask: rows are right-padded, so causal attention alone keeps every real
-    position from seeing a pad (pads only follow it) and the model builds no padding mask;
-    the outputs at pads are never read (their targets are masked). No KV cache either."""
-    logits = model(input_ids=batch.input_ids, use_cache=False).logits[:, :-1].float()
-    return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
-
-
-def token_scores(model: torch.nn.Module, batch: TrainBatch, temperature: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the trainer needs of the minibatch it optimises: log pi(target | prefix) and the
-    entropy of pi(. | prefix) (no gradient), each (B, L-1), and the whole `log_policy`."""
-    logp = log_policy(model, batch, temperature)
-    with torch.no_grad():  # reported, not optimised
-        entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, batch.targets[..., None]).squeeze(-1), entropy, logp
-
-
-def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
-    """log pi(target | prefix), (B, L-1): see `log_policy`."""
-    return log_policy(model, batch, temperature).gather(-1, batch.targets[..., None]).squeeze(-1)
+def _micro_batch(reply: BatchReply, rows: np.ndarray, pad_id: int) -> TokenBatch:
+    """Rows right-padded to the longest; the trained targets found with whole-array indexing."""
+    t = reply.trajectories
+    lengths = t.lengths[rows].astype(np.int64)
+    width = int(lengths.max())
+    col = np.arange(width)
+    valid = col[None, :] < lengths[:, None]
+    src = np.minimum(t.offsets[rows][:, None] + col[None, :], len(t.tokens) - 1)  # clipped where not valid
+    ids = np.where(valid, t.tokens[src], pad_id).astype(np.int64)
+    # the token at position j + 1 is predicted at position j: targets and their masks shift by one
+    keep = valid[:, 1:] & (t.loss_mask[src[:, 1:]] == 1)
+    flat = np.flatnonzero(keep)
+    at = src[:, 1:].reshape(-1)[flat]
+    advantages = reply.advantages[rows].astype(np.float32)[flat // max(width - 1, 1)]
+    return TokenBatch(torch.from_numpy(ids), torch.from_numpy(flat), torch.from_numpy(t.tokens[at].astype(np.int64)),
+                      torch.from_numpy(t.logprobs[at].astype(np.float32)),
+                      torch.from_numpy(t.versions[at].astype(np.int64)), torch.from_numpy(advantages), rows)

@@ -1,34 +1,48 @@
-"""Trainer checkpoints: `checkpoints/<policy>/step-<N>.pt` (model, optimizer, step), written
-atomically (temporary file, fsync, rename); the newest `KEEP` are kept. The weight versions of
-kept checkpoints are pinned: the dataflow rank's retention never deletes them."""
+"""Trainer checkpoint bookkeeping: `checkpoints/<policy>/step-<N>[.pt]` entries (a file or a
+directory, whatever the backend writes, always atomically: temporary name, fsync, rename);
+the newest `KEEP` are kept. The weight versions of kept checkpoints are pinned: the dataflow
+rank's retention never deletes them."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 
-import torch
-
 KEEP = 2
+_ENTRY = re.compile(r"step-(\d+)(\.pt)?$")
+
+
+def _entries(ckpt_dir: Path) -> dict[int, Path]:
+    if not Path(ckpt_dir).is_dir():
+        return {}
+    return {int(m.group(1)): p for p in Path(ckpt_dir).iterdir() if (m := _ENTRY.match(p.name))}
 
 
 def checkpoint_steps(ckpt_dir: Path) -> list[int]:
-    return sorted(int(p.stem.split("-")[1]) for p in Path(ckpt_dir).glob("step-*.pt"))
+    return sorted(_entries(ckpt_dir))
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    steps = checkpoint_steps(ckpt_dir)
-    return Path(ckpt_dir) / f"step-{steps[-1]}.pt" if steps else None
+    entries = _entries(ckpt_dir)
+    return entries[max(entries)] if entries else None
 
 
-def save_checkpoint(ckpt_dir: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> Path:
-    ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    final = ckpt_dir / f"step-{step}.pt"
-    tmp = ckpt_dir / f".step-{step}.pt.tmp"
-    torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step}, tmp)
+def prune_checkpoints(ckpt_dir: Path) -> None:
+    entries = _entries(ckpt_dir)
+    for step in sorted(entries)[:-KEEP]:
+        path = entries[step]
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def commit_file(tmp: Path, final: Path) -> Path:
+    """fsync `tmp`, rename it to `final` and fsync the directory: atomic and durable."""
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    for old in checkpoint_steps(ckpt_dir)[:-KEEP]:
-        (ckpt_dir / f"step-{old}.pt").unlink(missing_ok=True)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return final

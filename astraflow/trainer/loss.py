@@ -10,8 +10,11 @@ dominate. With mu = pi_prox (fully on-policy) it is exactly PPO-clip. Why not pl
 truncated IS against mu alone: the clip region would then be centred on an old policy, and
 a few versions of lag would clip away most of the signal.
 
-Loss is averaged over all trainable tokens of the batch (token-mean). The token-mean entropy
-of pi_theta is reported (not optimised): its fall shows the policy sharpening.
+Tensors are per trained token (the trainer keeps only those: `trainer/batch.py`). The loss is
+a token-mean over the optimizer step's trained tokens: each micro-batch adds its tokens' sum
+divided by `normalizer`, the step's token count (all ranks together), so accumulated
+micro-batches give the gradient of one big batch. The token-mean entropy of pi_theta is
+reported (not optimised): its fall shows the policy sharpening.
 
 `forward_kl` is KL(pi_ref || pi_theta) to the starting policy, added with weight
 `trainer.ref_kl`. This direction, not GRPO's KL(pi_theta || pi_ref): as pi_theta drops a token
@@ -28,39 +31,41 @@ import torch
 
 
 @dataclass
-class LossStats:
-    loss: float
-    clip_frac: float
-    is_weight: float
-    behaviour_kl: float
-    entropy: float
+class LossSums:
+    """Sums over trained tokens (divide by `tokens` for means), accumulated over micro-batches."""
+    tokens: int = 0
+    loss: float = 0.0
+    clipped: float = 0.0
+    is_weight: float = 0.0
+    behaviour_kl: float = 0.0
+    entropy: float = 0.0
+    kl_ref: float = 0.0
+
+    def add(self, other: "LossSums") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def mean(self, name: str) -> float:
+        return getattr(self, name) / self.tokens if self.tokens else float("nan")
 
 
 def decoupled_ppo_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behaviour: torch.Tensor,
-                       advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
-                       is_cap: float, entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
-    """All token tensors are (batch, tokens); `advantages` is (batch,); `mask` selects trained
-    tokens; `entropy` (of pi_theta per position), if given, is reported."""
+                       advantages: torch.Tensor, clip_eps: float, is_cap: float, normalizer: float,
+                       entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, LossSums]:
+    """All tensors are per trained token (same shape). Returns the loss contribution of these
+    tokens (their sum divided by `normalizer`) and their sums for the step's statistics."""
     weight = torch.exp(logp_prox - logp_behaviour).clamp(max=is_cap).detach()
     ratio = torch.exp(logp - logp_prox.detach())
-    adv = advantages[:, None]
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    loss = -token_mean(weight * surrogate, mask)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    total = -(weight * surrogate).sum()
     with torch.no_grad():
-        clipped = ((ratio - 1).abs() > clip_eps).float()
-        stats = LossStats(loss=float(loss), clip_frac=float(token_mean(clipped, mask)),
-                          is_weight=float(token_mean(weight, mask)),
-                          behaviour_kl=float(token_mean(logp_behaviour - logp_prox, mask)),
-                          entropy=float(token_mean(entropy, mask)) if entropy is not None else float("nan"))
-    return loss, stats
+        sums = LossSums(tokens=int(logp.numel()), loss=float(total),
+                        clipped=float(((ratio - 1).abs() > clip_eps).float().sum()), is_weight=float(weight.sum()),
+                        behaviour_kl=float((logp_behaviour - logp_prox).sum()),
+                        entropy=float(entropy.sum()) if entropy is not None else float("nan"))
+    return total / max(normalizer, 1.0), sums
 
 
-def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `x` (batch, tokens) over the tokens `mask` selects (0 if it selects none)."""
-    mask = mask.float()
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def forward_kl(ref_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """KL(pi_ref || pi_theta) per trained token, token-mean; both (batch, tokens, vocab)."""
-    return token_mean((ref_logp.exp() * (ref_logp - logp)).sum(-1), mask)
+def forward_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(pi_ref || pi_theta) per position; both (..., vocab) log-probabilities."""
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)

@@ -1,271 +1,132 @@
-"""`astraflow train --policy P`: the torch backend (HF model, AdamW, DDP over gloo on CPU).
+"""The `torch` trainer backend: a Hugging Face model, AdamW, DDP across the group's ranks.
 
-Per step: pull the step's batch from the dataflow rank (blocking; a replayed step after a
-restart gets the same samples), compute the proximal logprobs once, take `minibatches`
-optimizer steps of decoupled PPO, publish weights version = step (rank 0, filesystem channel),
-announce it, then acknowledge the step's samples (`consumed`). Metrics go to
-`metrics/<policy>.csv` (a row per trained step, appended; a replayed step gets a row again and
-readers merge a step's rows: `analysis/metrics.py`) and to TensorBoard event files in
-`metrics/tensorboard/<policy>/`; the sample ids of every acknowledged step go to
-`metrics/<policy>.consumed.jsonl` (the trainer's own ledger, which audits compare with the
-rank's journal).
-Every `checkpoint_every` steps model + optimizer + step are saved atomically; a restarted trainer resumes from the newest
-checkpoint and tells the dataflow rank (`ready(resume_step)`), which re-serves exactly the
-steps after it. Version v of the weights is the model after step v (v0 = the base model).
+Precision: the weights and the optimizer state are fp32 (the master copy); the forward and
+backward passes run under autocast in the compute dtype (`model.dtype`; auto: bf16 on a GPU,
+fp32 on a CPU), and the published weights are in that dtype. The device is the one the
+launcher assigns (`astraflow.hardware`); collectives go over NCCL on GPUs, gloo on CPUs.
 
-Invariant: a step is checkpointed only after the rank has acknowledged its samples. The
-other way round, a trainer killed between the two resumed past a step the rank had never
-seen consumed: the step was missing from the journal's lineage and its samples went back to
-the buffer, to be trained again (the kill chaos test caught it: 49 of 50 steps in the lineage).
+A step: the rank's share of the batch is cut into `minibatches`, each one optimizer step;
+each minibatch into micro-batches of at most `max_tokens_per_microbatch` tokens whose
+gradients accumulate (DDP synchronises on the last one only). The proximal policy is the
+weights before the step's first update: for the first minibatch its own forward pass,
+detached; for the others, scored up front without gradient. Logprobs come from
+`trainer/scoring.py` (trained tokens only, logits in checkpointed chunks), the loss from
+`trainer/loss.py`; the loss is a token-mean over each minibatch's trained tokens on all
+ranks, so the gradient does not depend on how rows were cut into micro-batches or dealt to
+ranks. `trainer.activation_checkpointing` recomputes the decoder layers' activations in the
+backward pass (transformers' gradient checkpointing).
 """
 from __future__ import annotations
 
-import datetime
-import json
-import logging
-import os
-import signal
-import time
+import contextlib
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from tensorboardX import SummaryWriter
 from transformers import AutoModelForCausalLM
 
-from astraflow.analysis.metrics import append_metrics, metrics_path
-from astraflow.config.rundir import RunDir
-from astraflow.models import wait_for_model
-from astraflow.models.tokenizer import TextCodec
-from astraflow.protocol import messages as m
-from astraflow.protocol.client import Client, moved_to, read_rendezvous, wait_rendezvous
-from astraflow.protocol.codec import RemoteError
-from astraflow.slurm.env import partition
-from astraflow.trainer.batch import log_policy, to_tensors, token_logprobs, token_scores
-from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, save_checkpoint
-from astraflow.trainer.loss import decoupled_ppo_loss, forward_kl
-from astraflow.trainer.lr import lr_at
-from astraflow.weights.fs import publish, verify, version_dir
-
-log = logging.getLogger(__name__)
-
-BATCH_TIMEOUT_S = 30.0
-STOPPED_TIMEOUT_S = 5.0  # how long a stopping trainer tries to tell the rank
-STOP_POLL_S = 0.5  # how often a trainer waiting for a batch looks at its stop flag
+from astraflow import hardware
+from astraflow.config.schema import Config
+from astraflow.protocol.messages import BatchReply
+from astraflow.trainer.batch import TokenBatch, micro_batches
+from astraflow.trainer.checkpoint import commit_file
+from astraflow.trainer.loss import LossSums, decoupled_ppo_loss
+from astraflow.trainer.scoring import PolicyScorer
 
 
-class TrainerStopped(Exception):
-    """A stop signal arrived while waiting for a batch."""
-METRIC_FIELDS = ("step", "time", "reward_mean", "reward_trained", "generated", "loss", "clip_frac", "is_weight",
-                 "behaviour_kl", "entropy", "grad_norm", "samples", "tokens", "completion_len", "version_lag",
-                 "wait_s", "train_s")
-
-
-class TorchTrainer:
-    def __init__(self, run: RunDir, policy: str, rank: int = 0, world: int = 1) -> None:
-        self.run, self.cfg, self.policy = run, run.config, policy
-        self.tcfg = run.config.trainer_for(policy)
-        self.rank, self.world = rank, world
-        self.temperature = run.config.engine.temperature  # the behaviour policy's: see token_logprobs
-        torch.set_num_threads(self.tcfg.threads)
-        torch.manual_seed(run.config.run.seed + rank)
-        self.base_dir = wait_for_model(run.path, run.config, policy)  # it may still be being prepared
-        self.codec = TextCodec(self.base_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
-        # the starting policy, frozen, for the KL term (`trainer.ref_kl`; its value is the
-        # `kl_ref` metric, a column only of runs that have it)
-        self.ref = (AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32).eval().requires_grad_(False)
-                    if self.tcfg.ref_kl else None)
-        self.metric_fields = METRIC_FIELDS + (("kl_ref",) if self.ref is not None else ())
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
-        self.ckpt_dir = run.path / "checkpoints" / policy
-        self.step = 0
-        ckpt = latest_checkpoint(self.ckpt_dir)
-        if ckpt is not None:
-            state = torch.load(ckpt, weights_only=True)
-            self.model.load_state_dict(state["model"])
-            self.optim.load_state_dict(state["optim"])
-            self.step = int(state["step"])
-            log.info("resumed from %s (step %d)", ckpt.name, self.step)
-        self.ddp = self.model
+class TorchBackend:
+    def __init__(self, model_dir: Path, cfg: Config, policy: str, rank: int, world: int) -> None:
+        self.tcfg = cfg.trainer_for(policy)
+        self.world = world
+        self.device = hardware.device()
+        self.dtype = hardware.compute_dtype(cfg.model.dtype, self.device)
+        self.publish_dtype = self.dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        if self.tcfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+        # the starting policy, frozen, for the KL term (`trainer.ref_kl`)
+        ref = None
+        if self.tcfg.ref_kl:
+            ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+            ref.requires_grad_(False)
+        self.scorer = PolicyScorer(self.model, cfg.engine.temperature, self.tcfg.logprob_chunk_tokens, ref)
+        self.ddp: torch.nn.Module = self.scorer
         if world > 1:
-            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=BATCH_TIMEOUT_S)
-        self.stop = False
-        self.board: SummaryWriter | None = None
-        signal.signal(signal.SIGUSR1, self._checkpoint_and_stop)  # Slurm's warning before preemption
-        signal.signal(signal.SIGTERM, self._checkpoint_and_stop)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.scorer, device_ids=ids)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
 
-    def _checkpoint_and_stop(self, signum, frame) -> None:
-        self.stop = True
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
-    def call(self, request, interruptible: bool = False):
-        """Retry through dataflow restarts; every request the trainer makes is idempotent.
+    def _global(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item())
 
-        An `interruptible` request (waiting for a batch) gives up when a stop signal arrives,
-        so that the trainer checkpoints at once instead of waiting for data that may never
-        come (the dataflow rank is being stopped too)."""
-        while True:
-            seq = self.client.send(request)
-            deadline = time.monotonic() + BATCH_TIMEOUT_S
-            while time.monotonic() < deadline:
-                reply = self.client.poll(seq, STOP_POLL_S)
-                if reply is not None:
-                    return reply
-                if interruptible and self.stop:
-                    self.client.abandon(seq)
-                    raise TrainerStopped
-                if moved_to(self.run.path, self.client.address):
-                    break  # the rank restarted elsewhere: resend there now, not after the timeout
-            self.client.abandon(seq)
-            self.client.reconnect(read_rendezvous(self.run.path)["address"])
-
-    def republish_if_damaged(self) -> None:
-        """The resumed step's published weights are what workers load first: if they are
-        missing or damaged, publish them again from the checkpoint (the same model)."""
-        if self.step == 0:
-            return
-        problem = verify(version_dir(self.run.path / "weights", self.policy, self.step))
-        if problem is not None:
-            log.error("republishing v%d from the checkpoint: %s", self.step, problem)
-            uri = publish(self.model.state_dict(), self.base_dir, self.run.path / "weights", self.policy, self.step)
-            self.call(m.Published(self.policy, self.step, uri, checkpoint_steps(self.ckpt_dir)))
-
-    def run_loop(self) -> None:
-        if self.rank == 0:  # one Ready per group: a second one would hand back what rank 0 was served
-            self.republish_if_damaged()
-            ready = self.call(m.Ready(m.PROTOCOL_VERSION, self.policy, self.step,
-                                      hardware=os.environ.get("ASTRAFLOW_HARDWARE", "cpu"),
-                                      partition=partition(), world=self.world))
-            if ready.replay_steps:
-                log.info("dataflow rank will replay steps %s", ready.replay_steps)
-        if self.world > 1:
-            dist.barrier()
-        while self.step < self.tcfg.steps and not self.stop:
-            try:
-                row = self.train_step(self.step + 1)
-            except TrainerStopped:
-                break
-            if row is None:
-                break
-            if self.rank == 0:
-                self.record(row)
-        if self.board is not None:
-            self.board.close()
-        if self.stop and self.rank == 0:
-            save_checkpoint(self.ckpt_dir, self.model, self.optim, self.step)
-            log.info("stopped by a signal: checkpointed step %d", self.step)
-            self.say_stopped()
-        self.client.close()
-
-    def say_stopped(self) -> None:
-        """Tell the rank (once, briefly: it may be gone already) that this group has stopped;
-        on Slurm's warning its supervisor waits for that before it stops the rank."""
-        try:
-            self.client.call(m.Stopped(self.policy, self.step), timeout_s=STOPPED_TIMEOUT_S)
-        except (TimeoutError, RemoteError) as e:
-            log.warning("could not tell the dataflow rank that this trainer stopped: %s", e)
-
-    def record(self, row: dict) -> None:
-        """One CSV line and TensorBoard scalars per step (rank 0 only)."""
-        append_metrics(metrics_path(self.run.path, self.policy), self.metric_fields, row)
-        if self.board is None:
-            self.board = SummaryWriter(str(self.run.path / "metrics" / "tensorboard" / self.policy))
-        for key in self.metric_fields[2:]:
-            self.board.add_scalar(f"{self.policy}/{key}", row[key], row["step"], walltime=row["time"])
-        self.board.flush()
-
-    def train_step(self, step: int) -> dict | None:
-        t0 = time.perf_counter()
-        try:
-            reply = self.call(m.Batch(self.policy, step, self.tcfg.batch_size, self.rank, self.world, self.step),
-                              interruptible=True)
-        except RemoteError as e:
-            if e.code == "exhausted":
-                log.info("no samples left: stopping at step %d", self.step)
-                return None
-            raise
-        wait = time.perf_counter() - t0
-        batch = to_tensors(reply, self.codec.pad_id)
+    def train_step(self, reply: BatchReply, step: int, lr: float) -> dict[str, float]:
         self.model.train()
-        n = len(batch.advantages)
+        n = len(reply.sample_ids)
         per = max(1, n // self.tcfg.minibatches)
-        # the proximal policy is the weights before this step's first update: for the first
-        # minibatch that is its own forward pass, detached; the others are scored up front
-        with torch.no_grad():
-            prox_rest = token_logprobs(self.model, batch.select(slice(per, None)), self.temperature) if n > per else None
-        stats = None
+        parts = [[mb.to(self.device) for mb in micro_batches(reply, np.arange(lo, min(lo + per, n)),
+                                                               self.tcfg.max_tokens_per_microbatch, self.pad_id)]
+                 for lo in range(0, n, per)]
+        with torch.no_grad(), self._autocast():  # the proximal policy of the later minibatches
+            prox = [[None] * len(part) if k == 0 else [self.scorer(mb).logp.float() for mb in part]
+                    for k, part in enumerate(parts)]
         for group in self.optim.param_groups:
-            group["lr"] = lr_at(self.tcfg, step)
-        for lo in range(0, n, per):
-            mb = batch.select(slice(lo, lo + per))
-            logp, entropy, logp_all = token_scores(self.ddp, mb, self.temperature)
-            prox = logp.detach() if lo == 0 else prox_rest[lo - per:lo]
-            loss, stats = decoupled_ppo_loss(logp, prox, mb.behaviour_logp, mb.advantages, mb.loss_mask,
-                                             self.tcfg.clip_eps, self.tcfg.is_cap, entropy)
-            extra = {}
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_all = log_policy(self.ref, mb, self.temperature)
-                kl = forward_kl(ref_all, logp_all, mb.loss_mask)
-                loss = loss + self.tcfg.ref_kl * kl
-                extra["kl_ref"] = float(kl)
+            group["lr"] = lr
+        sums, grad_norm, lag, trained = LossSums(), 0.0, 0.0, 0
+        for k, part in enumerate(parts):
+            # the token-mean over the minibatch on all ranks; DDP then averages over ranks
+            normalizer = self._global(sum(mb.tokens for mb in part)) / self.world
             self.optim.zero_grad(set_to_none=True)
-            loss.backward()
+            for j, mb in enumerate(part):
+                sync = self.world == 1 or j == len(part) - 1
+                with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self._autocast():
+                    scores = self.ddp(mb)
+                    p = scores.logp.detach() if k == 0 else prox[k][j]
+                    loss, mb_sums = decoupled_ppo_loss(scores.logp, p, mb.behaviour_logp, mb.advantages,
+                                                       self.tcfg.clip_eps, self.tcfg.is_cap, normalizer, scores.entropy)
+                    if scores.kl_ref is not None:
+                        kl = scores.kl_ref.sum()
+                        loss = loss + self.tcfg.ref_kl * kl / max(normalizer, 1.0)
+                        mb_sums.kl_ref = float(kl)
+                loss.backward()
+                sums.add(mb_sums)
+                lag += float((step - 1 - mb.versions).float().sum())
+                trained += mb.tokens
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip))
             self.optim.step()
-        self.step = step
-        ids = self._all_sample_ids(reply)
-        if self.rank == 0:
-            uri = publish(self.model.state_dict(), self.base_dir, self.run.path / "weights", self.policy, step)
-            self.call(m.Published(self.policy, step, uri, checkpoint_steps(self.ckpt_dir)))
-            self.call(m.Consumed(self.policy, step, ids))
-            with open(self.run.path / "metrics" / f"{self.policy}.consumed.jsonl", "a") as ledger:
-                ledger.write(json.dumps({"step": step, "ids": ids}) + "\n")  # the trainer's own ledger
-            self._maybe_checkpoint(step)  # after the acknowledgement: see the invariant above
-        trained = batch.loss_mask.sum().item()
-        lag = float((self.step - 1 - batch.versions.float())[batch.loss_mask > 0].mean()) if trained else 0.0
-        return {"step": step, "time": time.time(), "reward_mean": reply.generated_reward_mean,
-                "reward_trained": float(batch.rewards.mean()), "generated": reply.generated_count,
-                "loss": stats.loss, "clip_frac": stats.clip_frac, "is_weight": stats.is_weight,
-                "behaviour_kl": stats.behaviour_kl, "entropy": stats.entropy, "grad_norm": grad_norm,
-                "samples": n * self.world,
-                "tokens": int(batch.attention_mask.sum()) * self.world, "completion_len": trained / max(1, n),
-                "version_lag": lag, "wait_s": wait, "train_s": time.perf_counter() - t0 - wait, **extra}
+        stats = {"loss": sums.loss / max(trained, 1), "clip_frac": sums.mean("clipped"),
+                 "is_weight": sums.mean("is_weight"), "behaviour_kl": sums.mean("behaviour_kl"),
+                 "entropy": sums.mean("entropy"), "grad_norm": grad_norm,
+                 "completion_len": trained / max(1, n), "version_lag": lag / trained if trained else 0.0}
+        if self.tcfg.ref_kl:
+            stats["kl_ref"] = sums.mean("kl_ref")
+        return stats
 
-    def _all_sample_ids(self, reply: m.BatchReply) -> list[int]:
-        ids = reply.sample_ids.tolist()
-        if self.world == 1:
-            return ids
-        gathered: list[list[int]] = [None] * self.world  # type: ignore[list-item]
-        dist.all_gather_object(gathered, ids)
-        # the dataflow rank dealt ids[rank::world]; interleave them back into serving order
-        out = [None] * sum(len(g) for g in gathered)
-        for r, g in enumerate(gathered):
-            out[r::self.world] = g
-        return out
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
 
-    def _maybe_checkpoint(self, step: int) -> None:
-        if step % self.tcfg.checkpoint_every == 0 or step == self.tcfg.steps:
-            save_checkpoint(self.ckpt_dir, self.model, self.optim, step)
+    def save(self, ckpt_dir: Path, step: int) -> Path:
+        ckpt_dir = Path(ckpt_dir)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt_dir / f".step-{step}.pt.tmp"
+        torch.save({"model": self.model.state_dict(), "optim": self.optim.state_dict(), "step": step}, tmp)
+        return commit_file(tmp, ckpt_dir / f"step-{step}.pt")
 
+    def load(self, path: Path) -> int:
+        state = torch.load(path, weights_only=True, map_location=self.device)
+        self.model.load_state_dict(state["model"])
+        self.optim.load_state_dict(state["optim"])
+        return int(state["step"])
 
-def run_trainer(run_dir: str, policy: str) -> bool:
-    """Train this rank; True when the run's steps are done, False when stopped by a signal."""
-    run = RunDir.open(run_dir)
-    rank = int(os.environ.get("ASTRAFLOW_RANK", "0"))
-    world = int(os.environ.get("ASTRAFLOW_WORLD", str(run.config.trainer.world)))
-    if world > 1:
-        # a fresh file per launch (session) and group start: a FileStore left by a crashed group
-        # or an earlier launch cannot be reused
-        session = os.environ.get("ASTRAFLOW_SESSION", "manual")
-        store = Path(run.path) / "rendezvous" / f"torch-{policy}-{session}-{os.environ.get('ASTRAFLOW_START', '0')}"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-    trainer = TorchTrainer(run, policy, rank, world)
-    trainer.run_loop()
-    if world > 1:
-        dist.destroy_process_group()
-    return trainer.step >= trainer.tcfg.steps or not trainer.stop
-
-
+    def score(self, batch: TokenBatch) -> torch.Tensor:
+        """Log-probabilities of a batch's targets under the current weights (no gradient)."""
+        with torch.no_grad(), self._autocast():
+            return self.scorer(batch.to(self.device)).logp.float().cpu()

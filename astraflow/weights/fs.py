@@ -15,9 +15,13 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
-COPIED = ("config.json", "tokenizer.json", "generation_config.json")
+# everything but the weights a loader needs: AutoTokenizer reads the eos, pad and chat template
+# from tokenizer_config.json, not from tokenizer.json
+COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+          "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
 WEIGHTS, CHECKSUM = "model.safetensors", "checksum.json"
 
 
@@ -43,7 +47,9 @@ def version_dir(weights_root: Path, policy: str, version: int) -> Path:
     return Path(weights_root) / policy / f"v{version}"
 
 
-def publish(state_dict: dict, base_model_dir: Path, weights_root: Path, policy: str, version: int) -> str:
+def publish(state_dict: dict, base_model_dir: Path, weights_root: Path, policy: str, version: int,
+            dtype: Any = None) -> str:
+    """Write version `version` (in `dtype`, a torch dtype: the training dtype; None: as given)."""
     from safetensors.torch import save_file
 
     final = version_dir(weights_root, policy, version)
@@ -52,10 +58,9 @@ def publish(state_dict: dict, base_model_dir: Path, weights_root: Path, policy: 
     tmp.mkdir(parents=True)
     tensors, seen = {}, set()
     for name, tensor in state_dict.items():
-        tensor = tensor.detach().to("cpu").contiguous()
         if tensor.data_ptr() not in seen:  # a tied weight (lm_head = embed_tokens) is saved once, as HF does
             seen.add(tensor.data_ptr())
-            tensors[name] = tensor
+            tensors[name] = tensor.detach().to("cpu", dtype=dtype or tensor.dtype).contiguous()
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
     (tmp / CHECKSUM).write_text(json.dumps({WEIGHTS: sha256(tmp / WEIGHTS)}))
     for name in (WEIGHTS, CHECKSUM):

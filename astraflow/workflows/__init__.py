@@ -11,14 +11,14 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from astraflow.models.tokenizer import TextCodec
+from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol.messages import Task, Trajectory
 from astraflow.tasks.sources import Item
 from astraflow.workflows import cotrain, tool_agent
 from astraflow.workflows.api import EpisodeContext, EpisodeError
 from astraflow.workflows.rlvr import rlvr
 
-WarmupExamples = Callable[[str, list[Item], TextCodec, np.random.Generator], list[tuple[list[int], list[int]]]]
+WarmupExamples = Callable[[str, list[Item], ModelTokenizer, np.random.Generator], list[tuple[list[int], list[int]]]]
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,9 @@ class WorkflowSpec:
     warmup: WarmupExamples
 
 
-def answer_examples(role: str, items: list[Item], codec: TextCodec, rng: np.random.Generator
+def answer_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng: np.random.Generator
                     ) -> list[tuple[list[int], list[int]]]:
-    return cotrain.warmup_examples("solver", items, codec, rng)
+    return cotrain.warmup_examples("solver", items, tokenizer, rng)
 
 
 WORKFLOWS: dict[str, WorkflowSpec] = {

@@ -1,9 +1,11 @@
-"""What a workflow gets and how it builds records: engines per policy, roles, the text codec,
+"""What a workflow gets and how it builds records: engines per policy, roles, the tokenizer,
 sampling, the reward, and (for agentic workflows) an environment client and a tool sandbox.
 
 A workflow is `async def wf(task: Task, ctx: EpisodeContext) -> list[Trajectory]`. It may call
 `ctx.engines[policy].generate(...)` as often as it likes (multi-turn, several policies);
-the engine batches concurrent episodes. Records are built with `Sequence`: every segment is
+the engine batches concurrent episodes. Text becomes ids only through `ctx.tokenizer` (the
+model directory's tokenizer and chat template: `ModelTokenizer`), and completions are
+scored with `await ctx.score(text, task)`. Records are built with `Sequence`: every segment is
 either context (prompt, tool output, environment observation: loss_mask 0, token_policy -1,
 version -1) or one policy's completion. A record is the sequence as seen by one policy:
 its loss mask covers exactly the tokens that policy generated — another policy's tokens and
@@ -19,15 +21,16 @@ be leased again instead of crashing.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
 from astraflow.config.schema import WorkflowConfig
-from astraflow.models.tokenizer import TextCodec
-from astraflow.protocol.messages import Trajectory
+from astraflow.models.tokenizer import ModelTokenizer
+from astraflow.protocol.messages import Task, Trajectory
 from astraflow.rollout.engines.base import Completion, Engine, SamplingParams
 
 Z99 = 2.3263  # the standard normal's 99th percentile
@@ -46,9 +49,9 @@ def lognormal(rng: np.random.Generator, median: float, p99: float) -> float:
 @dataclass
 class EpisodeContext:
     engines: dict[str, Engine]
-    codec: TextCodec
+    tokenizer: ModelTokenizer
     params: SamplingParams
-    reward: Callable[[str, str], float]
+    reward: Callable[..., Awaitable[float]]  # a `workflows.rewards.Scorer`: (completion, answer, row)
     policy_index: dict[str, int]
     rng: np.random.Generator
     roles: dict[str, str]  # role -> policy
@@ -65,10 +68,18 @@ class EpisodeContext:
         if w.decode_len_median <= 0:
             return self.params
         n = lognormal(self.rng, w.decode_len_median, w.decode_len_median * w.decode_len_p99_ratio)
-        return SamplingParams(max(1, min(self.params.max_tokens, round(n))), self.params.temperature, ignore_eos=True)
+        return dataclasses.replace(self.params, max_tokens=max(1, min(self.params.max_tokens, round(n))),
+                                   ignore_eos=True)
 
     def episode_id(self) -> int:
         return int(self.rng.integers(1 << 62))
+
+    async def score(self, completion: str, task: Task) -> float:
+        return await self.reward(completion, task.answer, task.row)
+
+    def prompt_ids(self, task: Task) -> list[int]:
+        """The task's prompt as ids: its chat messages, or its text (through the template when configured)."""
+        return self.tokenizer.encode_prompt(task.prompt, task.messages)
 
 
 class Sequence:

@@ -18,7 +18,8 @@
   mask: both policies' records are the whole sequence; each trains only its own tokens.
 
 The verifier's context is token for token the same in both: the question, the solver's
-tokens (EOS included when it stopped), then "?"; it answers "Y" or "N".
+tokens (its stop token included when it stopped), then "?" (as a user turn of the chat
+template when prompts go through one); it answers "Y" or "N".
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from astraflow.models.tokenizer import TextCodec
+from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol.messages import Task, Trajectory
 from astraflow.rollout.engines.base import Completion
 from astraflow.tasks.sources import Item
@@ -42,37 +43,43 @@ def accepted(text: str) -> bool:
     return text.strip()[:1] == "Y"
 
 
-def judge_context(codec: TextCodec, question_ids: list[int], answer_ids: list[int]) -> list[int]:
-    return [*question_ids, *answer_ids, *codec.encode_text(ASK)]
+def judge_context(tokenizer: ModelTokenizer, question_ids: list[int], answer_ids: list[int], ended: bool = True
+                  ) -> list[int]:
+    """What the verifier sees: the question, the answer (`ended`: with its stop token), "?"."""
+    return [*question_ids, *answer_ids, *ask(tokenizer, ended)]
+
+
+def ask(tokenizer: ModelTokenizer, ended: bool) -> list[int]:
+    return tokenizer.encode_turns([{"role": "user", "content": ASK}], ended)
 
 
 async def _exchange(task: Task, ctx: EpisodeContext, concatenated: bool) -> list[Trajectory]:
     solver, verifier = ctx.roles["solver"], ctx.roles["verifier"]
     si, vi = ctx.policy_index[solver], ctx.policy_index[verifier]
-    question = ctx.codec.encode_prompt(task.prompt)
+    question = ctx.prompt_ids(task)
 
-    async def judge(answer_ids: list[int]) -> tuple[Sequence, Completion, bool]:
+    async def judge(answer_ids: list[int], ended: bool) -> tuple[Sequence, Completion, bool]:
         """The verifier's judgment of an answer: its own sequence (question, answer, "?",
         verdict), the verdict, and whether it accepted."""
-        seq = Sequence(judge_context(ctx.codec, question, answer_ids))
+        seq = Sequence(judge_context(ctx.tokenizer, question, answer_ids, ended))
         judged = await ctx.engines[verifier].generate(seq.ids, ctx.sampling())
         seq.add_completion(vi, judged)
-        return seq, judged, accepted(ctx.codec.decode(judged.tokens))
+        return seq, judged, accepted(ctx.tokenizer.decode(judged.tokens))
 
     async def attempt(episode: int, n: int) -> tuple[list[Trajectory], bool]:
         t0 = time.perf_counter()
         answer = await ctx.engines[solver].generate(question, ctx.sampling())
-        text = ctx.codec.decode(answer.tokens)
-        correct = ctx.reward(text, task.answer) > 0.5
+        text = ctx.tokenizer.decode(answer.tokens)
+        correct = await ctx.score(text, task) > 0.5
         if ctx.workflow.env_check:
             await ctx.environment.check(task, text)
-        verifier_seq, judged, accept = await judge(answer.tokens.tolist())
+        verifier_seq, judged, accept = await judge(answer.tokens.tolist(), answer.finished)
         gen_s = time.perf_counter() - t0
         meta = {"completion": text, "attempt": n, "truth": correct, "accept": accept}
         solver_seq = Sequence(question)
         solver_seq.add_completion(si, answer)
         if concatenated:  # one sequence, the verifier's verdict after the answer: both records
-            solver_seq.add_context(ctx.codec.encode_text(ASK))
+            solver_seq.add_context(ask(ctx.tokenizer, answer.finished))
             solver_seq.add_completion(vi, judged)
             verifier_seq = solver_seq
         records = [solver_seq.record(solver, si, float(correct), task.task_id, episode, gen_s, meta),
@@ -90,7 +97,7 @@ async def _exchange(task: Task, ctx: EpisodeContext, concatenated: bool) -> list
     async def contrast(candidate: str, truth: bool) -> Trajectory:
         """The verifier's judgment of an answer the solver did not give."""
         t0 = time.perf_counter()
-        seq, _, accept = await judge(ctx.codec.encode_completion(candidate))
+        seq, _, accept = await judge(ctx.tokenizer.encode_completion(candidate), True)
         meta = {"completion": candidate, "attempt": -1, "truth": truth, "accept": accept, "guided": True}
         return seq.record(verifier, vi, float(accept == truth), task.task_id, ctx.episode_id(),
                           time.perf_counter() - t0, meta)
@@ -159,14 +166,15 @@ def wrong_answer(item: Item, rng: np.random.Generator) -> str:
     return str(c if c < abs(a) else c + 1)
 
 
-def warmup_examples(role: str, items: list[Item], codec: TextCodec, rng: np.random.Generator
+def warmup_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng: np.random.Generator
                     ) -> list[tuple[list[int], list[int]]]:
     """Supervised pairs (context ids, target ids) on the format of `role`."""
     if role == "solver":
-        return [(codec.encode_prompt(i.prompt), codec.encode_completion(i.answer)) for i in items]
+        return [(tokenizer.encode_prompt(i.prompt, i.messages), tokenizer.encode_completion(i.target)) for i in items]
     pairs = []
     for item in items:
         for candidate, verdict in ((item.answer, "Y"), (wrong_answer(item, rng), "N")):
-            context = judge_context(codec, codec.encode_prompt(item.prompt), codec.encode_completion(candidate))
-            pairs.append((context, codec.encode_completion(verdict)))
+            context = judge_context(tokenizer, tokenizer.encode_prompt(item.prompt, item.messages),
+                                    tokenizer.encode_completion(candidate))
+            pairs.append((context, tokenizer.encode_completion(verdict)))
     return pairs

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from astraflow.models.tokenizer import TextCodec
+from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol.messages import Task, Trajectory
 from astraflow.tasks.sources import Item
 from astraflow.workflows.api import EpisodeContext, Sequence
@@ -36,22 +36,25 @@ async def multi_turn_tool(task: Task, ctx: EpisodeContext) -> list[Trajectory]:
     async def one() -> Trajectory:
         t0 = time.perf_counter()
         episode, observation = await ctx.environment.start(task)
-        seq = Sequence(ctx.codec.encode_prompt(observation))
+        seq = Sequence(ctx.tokenizer.encode_prompt(observation))
         reward, done, calls = 0.0, False, 0
         try:
             for _ in range(ctx.workflow.max_turns):
                 completion = await engine.generate(seq.ids, ctx.sampling())
                 seq.add_completion(index, completion)
-                action = ctx.codec.decode(completion.tokens)
+                action = ctx.tokenizer.decode(completion.tokens)
                 if action.startswith(TOOL):
                     calls += 1
                     result = await ctx.tools.run_python(f"print({action[len(TOOL):]})")
-                    seq.add_context(ctx.codec.encode_text(tool_output(result.stdout if result.ok else "error")))
+                    output = tool_output(result.stdout if result.ok else "error")
+                    seq.add_context(ctx.tokenizer.encode_turns([{"role": "tool", "content": output}],
+                                                               completion.finished))
                     continue
                 observation, reward, done = await ctx.environment.step(episode, action)
                 if done:
                     break
-                seq.add_context(ctx.codec.encode_text(observation))
+                seq.add_context(ctx.tokenizer.encode_turns([{"role": "user", "content": observation}],
+                                                           completion.finished))
         finally:
             if not done:
                 await ctx.environment.cancel(episode)
@@ -61,13 +64,14 @@ async def multi_turn_tool(task: Task, ctx: EpisodeContext) -> list[Trajectory]:
     return list(await asyncio.gather(*(one() for _ in range(task.group_size))))
 
 
-def warmup_examples(role: str, items: list[Item], codec: TextCodec, rng: np.random.Generator
+def warmup_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng: np.random.Generator
                     ) -> list[tuple[list[int], list[int]]]:
     """The tool-use format: call the tool with the prompt's expression, then copy its output."""
     pairs = []
     for item in items:
-        question = codec.encode_prompt(item.prompt)
-        call = codec.encode_completion(TOOL + item.prompt.rstrip("="))
+        question = tokenizer.encode_prompt(item.prompt)
+        call = tokenizer.encode_completion(TOOL + item.prompt.rstrip("="))
+        output = tokenizer.encode_turns([{"role": "tool", "content": tool_output(item.answer)}], True)
         pairs.append((question, call))
-        pairs.append(([*question, *call, *codec.encode_text(tool_output(item.answer))], codec.encode_completion(item.answer)))
+        pairs.append(([*question, *call, *output], tokenizer.encode_completion(item.answer)))
     return pairs

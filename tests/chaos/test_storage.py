@@ -54,7 +54,7 @@ def commit_group(state: DataflowState, worker: str, task: int, tokens: int) -> N
     trajs = [random_trajectory(rng, "policy", tokens, prompt_tokens=2, reward=float(i % 2), group_id=task)
              for i in range(4)]
     reply = state.handle(m.Commit(worker, task, m.TrajectoryBatch.from_trajectories(trajs)))
-    assert reply.status == "stored", reply
+    assert getattr(reply, "status", None) == "stored", reply
 
 
 def test_with_no_margin_a_turn_that_does_not_fit_never_reaches_hdf5(small_fs):
@@ -81,6 +81,7 @@ def test_with_no_margin_a_turn_that_does_not_fit_never_reaches_hdf5(small_fs):
     state = DataflowState(run.path, run.config)
     state.recover()
     assert state.tasks.done == {tasks[0]} and not state.store.quarantined
+    worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 4)).worker_id  # the new rank forgot it
     commit_group(state, worker, tasks[1], tokens=100_000)  # the worker's retry, now that there is room
     state.flush()
     state.close()

@@ -18,15 +18,14 @@ from astraflow.environments.client import EnvironmentClient
 from astraflow.models.factory import make_model
 from astraflow.protocol.messages import Task, Trajectory
 from astraflow.rollout.engines.base import SamplingParams
-from astraflow.rollout.engines.hf import HFEngine
 from astraflow.sandbox import Sandbox
 from astraflow.tasks.sources import TaskSource
 from astraflow.trainer.warmup import warm_up
 from astraflow.workflows import EpisodeContext, EpisodeError
 from astraflow.workflows.cotrain import ClassPrior, balance, solve_and_check, solver_verifier
-from astraflow.workflows.rewards import exact_match
+from astraflow.workflows.rewards import Scorer, exact_match
 from astraflow.workflows.tool_agent import multi_turn_tool
-from tests.conftest import REPO
+from tests.conftest import REPO, constant, hf_engine
 
 TASK = Task(7, 30.0, "3+4+2=", "9", 6, ["solver", "verifier"])
 INDEX = {"solver": 0, "verifier": 1}
@@ -35,13 +34,13 @@ INDEX = {"solver": 0, "verifier": 1}
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model = make_model("qwen2", "tiny", tmp_path_factory.mktemp("m") / "model", corpus=["3+4+2=9?YN!>;"])
-    e = HFEngine(model, seed=0)
+    e = hf_engine(model)
     yield e
     e.close()
 
 
 def context(engine, engines: dict, roles: dict, **workflow) -> EpisodeContext:
-    return EpisodeContext(engines=engines, codec=engine.codec, params=SamplingParams(4, 1.0), reward=exact_match,
+    return EpisodeContext(engines=engines, tokenizer=engine.tok, params=SamplingParams(4, 1.0, stop=engine.tok.stop_ids), reward=Scorer("exact_match", 5.0),
                           policy_index=INDEX, rng=np.random.default_rng(0), roles=roles,
                           workflow=WorkflowConfig(**workflow))
 
@@ -89,7 +88,7 @@ def test_verifier_contrast_shows_the_verifier_the_class_a_group_lacks(engine, so
     answer and whose trained tokens are the verdict alone."""
     ctx = context(engine, {"solver": engine, "verifier": engine}, {"solver": "solver", "verifier": "verifier"},
                   verifier_contrast=True)
-    ctx.reward = lambda text, answer: float(solver_right)
+    ctx.reward = constant(float(solver_right))
     records = asyncio.run(solver_verifier(TASK, ctx))
     solver = [r for r in records if r.policy == "solver"]
     verifier = [r for r in records if r.policy == "verifier"]
@@ -97,11 +96,11 @@ def test_verifier_contrast_shows_the_verifier_the_class_a_group_lacks(engine, so
     extra = verifier[-1]
     assert len(verifier) == TASK.group_size + 1 and extra.meta["guided"] and extra.meta["truth"] != solver_right
     assert (extra.meta["completion"] == "9") == (not solver_right)
-    shown = engine.codec.encode_completion(extra.meta["completion"])
+    shown = engine.tok.encode_completion(extra.meta["completion"])
     verdict = extra.tokens[extra.loss_mask == 1]
     assert trained_owner(extra) == {1} and extra.tokens[-len(verdict):].tolist() == verdict.tolist()
-    assert extra.tokens[: -len(verdict)].tolist() == [*engine.codec.encode_prompt(TASK.prompt), *shown,
-                                                      *engine.codec.encode_text("?")]
+    assert extra.tokens[: -len(verdict)].tolist() == [*engine.tok.encode_prompt(TASK.prompt), *shown,
+                                                      *engine.tok.encode_text("?")]
     assert extra.reward >= 0 and (extra.reward > 0) == (extra.meta["accept"] == extra.meta["truth"])
     assert not any(r.meta.get("guided") for r in records[:-1])
 
@@ -135,9 +134,9 @@ def agent(tmp_path_factory):
                        "policies: [{name: agent, role: agent}]\n")
     source = TaskSource(cfg.tasks)
     model = make_model("qwen2", "tiny", tmp_path_factory.mktemp("a") / "model",
-                       corpus=[i.prompt + i.answer for i in source.train + source.warmup + source.heldout])
+                       corpus=source.corpus())
     warm_up(model, cfg, "agent")
-    e = HFEngine(model, seed=0)
+    e = hf_engine(model)
     yield e, source.warmup[0]
     e.close()
 
@@ -158,7 +157,7 @@ def test_agent_calls_the_sandboxed_tool_and_is_rewarded_by_the_environment(agent
     engine, item = agent
     with env_server() as (_, url):
         ctx = context(engine, {"agent": engine}, {"agent": "agent"}, max_turns=3)
-        ctx.params, ctx.policy_index = SamplingParams(12, 0.0), {"agent": 0}
+        ctx.params, ctx.policy_index = SamplingParams(12, 0.0, stop=engine.tok.stop_ids), {"agent": 0}
         ctx.environment, ctx.tools = EnvironmentClient(url), Sandbox()
 
         async def episode() -> list:
@@ -169,9 +168,9 @@ def test_agent_calls_the_sandboxed_tool_and_is_rewarded_by_the_environment(agent
 
         (record,) = asyncio.run(episode())
     assert record.meta["tool_calls"] >= 1 and record.meta["done"] and record.reward == 1.0
-    text = engine.codec.decode(record.tokens)
+    text = engine.tok.decode(record.tokens)
     assert f">{item.answer};" in text  # the tool's output, from the sandbox
-    tool = engine.codec.encode_text(f">{item.answer};")
+    tool = engine.tok.encode_text(f">{item.answer};")
     start = next(i for i in range(len(record.tokens)) if record.tokens[i:i + len(tool)].tolist() == tool)
     assert (record.loss_mask[start:start + len(tool)] == 0).all()  # tool output is never trained on
     assert trained_owner(record) == {0}

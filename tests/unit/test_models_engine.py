@@ -14,12 +14,13 @@ from transformers import AutoModelForCausalLM
 
 from astraflow.models import policy_model_dir, wait_for_model
 from astraflow.models.factory import make_model
-from astraflow.models.tokenizer import TextCodec
+from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.rollout.engines.base import SamplingParams
-from astraflow.rollout.engines.hf import HFEngine
-from astraflow.trainer.batch import TrainBatch, token_logprobs, token_scores
+from astraflow.trainer.batch import TokenBatch
+from astraflow.trainer.scoring import PolicyScorer
 from astraflow.weights.fs import load_state_dict, path_of, publish
-from tests.conftest import make_run
+from tests.conftest import hf_engine, make_run
+from tests.unit.engine_parity import check_reloads, teacher_forced
 
 
 @pytest.fixture(scope="module")
@@ -27,23 +28,19 @@ def model_dir(tmp_path_factory):
     return make_model("qwen2", "tiny", tmp_path_factory.mktemp("m") / "model", seed=0, corpus=["12+7=19"])
 
 
-def teacher_forced(model, prompt: list[int], tokens: np.ndarray, temperature: float) -> np.ndarray:
-    """The trainer's own scoring (`token_logprobs`) of an engine's completion: with the engine's
-    logprobs equal to it, the on-policy importance ratio is exactly 1."""
-    seq = torch.tensor([prompt + tokens.tolist()])
-    batch = TrainBatch(seq, torch.ones_like(seq), seq[:, 1:], *[None] * 5)
-    with torch.no_grad():
-        return token_logprobs(model, batch, temperature)[0, len(prompt) - 1:].numpy()
+@pytest.mark.parametrize("like", ["qwen2.5", "llama3"])
+def test_hf_engine_logprobs_and_reloads_match_the_trainer_weights(tmp_path, like):
+    model_dir = make_model(like, "tiny", tmp_path / "model", corpus=["What is 12 + 7? 19"] * 20)
+    check_reloads(hf_engine(model_dir), model_dir, tmp_path / "weights")
 
 
 def test_entropy_is_that_of_the_sampled_distribution(model_dir):
     """The trainer reports the entropy of softmax(logits / T): within [0, log V], higher at a
     higher temperature, and log V as T grows without bound; it carries no gradient."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    seq = torch.tensor([TextCodec(model_dir).encode_prompt("12+7=19")])
-    batch = TrainBatch(seq, torch.ones_like(seq), seq[:, 1:], *[None] * 5)
+    batch = TokenBatch.of_rows([ModelTokenizer(model_dir).encode_prompt("12+7=19")])
     vocab = model.config.vocab_size
-    cold, warm, flat = (token_scores(model, batch, t)[1] for t in (0.5, 2.0, 1e6))
+    cold, warm, flat = (PolicyScorer(model, t)(batch).entropy for t in (0.5, 2.0, 1e6))
     assert not cold.requires_grad and cold.shape == batch.targets.shape
     assert (cold >= 0).all() and (cold < warm).all() and (warm <= np.log(vocab) + 1e-5).all()
     torch.testing.assert_close(flat, torch.full_like(flat, np.log(vocab)), atol=1e-4, rtol=0)
@@ -52,20 +49,20 @@ def test_entropy_is_that_of_the_sampled_distribution(model_dir):
 def test_right_padded_rows_score_as_if_alone(model_dir):
     """The trainer scores right-padded rows without an attention mask (causal attention keeps
     every real position from seeing the pads that follow it): each row's logprobs equal
-    those of the row scored alone, whatever the pad id and the other rows' lengths."""
+    those of the row scored alone, whatever the pad id and the other rows' lengths; and the
+    chunked output layer gives the logits' own result whatever the chunk size."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    codec = TextCodec(model_dir)
-    rows = [codec.encode_prompt(text) for text in ("1+2=3", "12+7=19", "7=")]
-    width = max(map(len, rows))
-    seq = torch.full((len(rows), width), codec.eos_id)  # any id: the pads must not matter
-    for i, row in enumerate(rows):
-        seq[i, : len(row)] = torch.tensor(row)
-    padded = TrainBatch(seq, (seq != -1).long(), seq[:, 1:], *[None] * 5)
-    with torch.no_grad():
-        together = token_logprobs(model, padded, 0.7)
-    for i, row in enumerate(rows):
-        alone = teacher_forced(model, row[:1], np.array(row[1:]), 0.7)
-        torch.testing.assert_close(together[i, : len(row) - 1], torch.from_numpy(alone), atol=1e-5, rtol=0)
+    tok = ModelTokenizer(model_dir)
+    rows = [tok.encode_prompt(text) for text in ("1+2=3", "12+7=19", "7=")]
+    for pad in (tok.eos_ids[0], tok.pad_id):  # any id: the pads must not matter
+        together = PolicyScorer(model, 0.7, chunk=3)(TokenBatch.of_rows(rows, pad_id=pad)).logp.detach()
+        at = 0
+        for row in rows:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([row])).logits[0, :-1] / 0.7
+            alone = torch.log_softmax(logits, -1).gather(-1, torch.tensor(row[1:])[:, None])[:, 0]
+            torch.testing.assert_close(together[at:at + len(row) - 1], alone, atol=1e-5, rtol=0)
+            at += len(row) - 1
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -73,21 +70,22 @@ def test_make_model_writes_an_untied_hf_model_and_tokenizer(tmp_path, arch):
     out = make_model(arch, "tiny", tmp_path / arch, corpus=["a b"])
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == arch and cfg["tie_word_embeddings"] is False
-    codec = TextCodec(out)
-    assert codec.decode(codec.encode_prompt("What is 12 + 7?")) == "What is 12 + 7?"  # spaces survive
+    tok = ModelTokenizer(out)
+    assert tok.decode(tok.encode_prompt("What is 12 + 7?")) == "What is 12 + 7?"  # spaces survive
     model = AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) < 200_000
-    with pytest.raises(ValueError, match=r"--size 'huge': expected one of \['tiny', 'small'\]"):
+    with pytest.raises(ValueError, match=r"--size 'huge': expected one of \['small', 'tiny'\]"):
         make_model(arch, "huge", tmp_path / "x")
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_logprobs_match_a_teacher_forced_pass(model_dir, temperature):
-    engine = HFEngine(model_dir, seed=1)
-    prompts = [engine.codec.encode_prompt(p) for p in ("1+2=", "13-4=", "7+7=")]
+    engine = hf_engine(model_dir, seed=1)
+    prompts = [engine.tok.encode_prompt(p) for p in ("1+2=", "13-4=", "7+7=")]
+    stop = engine.tok.stop_ids
 
     async def go():
-        return await asyncio.gather(*(engine.generate(p, SamplingParams(12, temperature)) for p in prompts))
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(12, temperature, stop)) for p in prompts))
 
     outs = asyncio.run(go())
     for p, o in zip(prompts, outs):
@@ -100,13 +98,14 @@ def test_forced_tokens_are_scored_not_sampled_in_a_shared_batch(model_dir):
     exactly the forced tokens (longer than max_tokens, too), with the logprobs a
     teacher-forced pass gives them at the batch's temperature; the sampled requests beside it
     keep theirs."""
-    engine = HFEngine(model_dir, seed=3)
-    prompt = engine.codec.encode_prompt("12+7=")
-    forced = tuple(engine.codec.encode_completion("19"))
+    engine = hf_engine(model_dir, seed=3)
+    prompt = engine.tok.encode_prompt("12+7=")
+    forced = tuple(engine.tok.encode_completion("19"))
+    stop = engine.tok.stop_ids
 
     async def go():
-        return await asyncio.gather(engine.generate(prompt, SamplingParams(2, 0.7, forced=forced)),
-                                    *(engine.generate(prompt, SamplingParams(6, 0.7)) for _ in range(3)))
+        return await asyncio.gather(engine.generate(prompt, SamplingParams(2, 0.7, stop, forced=forced)),
+                                    *(engine.generate(prompt, SamplingParams(6, 0.7, stop)) for _ in range(3)))
 
     scored, *sampled = asyncio.run(go())
     assert scored.tokens.tolist() == list(forced) and scored.finished and scored.version == 0
@@ -124,12 +123,12 @@ def test_reload_serves_exactly_the_published_weights(model_dir, tmp_path):
     final = path_of(uri)
     assert final.name == "v3" and not list(final.parent.glob(".*tmp"))
     assert set(load_state_dict(uri)) == set(trainer_model.state_dict())
-    engine = HFEngine(model_dir, seed=2)
-    prompt = engine.codec.encode_prompt("5+5=")
+    engine = hf_engine(model_dir, seed=2)
+    prompt = engine.tok.encode_prompt("5+5=")
 
     async def go():
         await engine.load_weights(final, 3)
-        return await engine.generate(prompt, SamplingParams(10, 1.0))
+        return await engine.generate(prompt, SamplingParams(10, 1.0, engine.tok.stop_ids))
 
     out = asyncio.run(go())
     assert out.version == 3

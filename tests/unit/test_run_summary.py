@@ -10,7 +10,7 @@ import pytest
 from astraflow.analysis.metrics import (append_metrics, generated_reward, generated_reward_smoothed, metrics_path,
                                         read_metrics)
 from astraflow.launch.summary import policy_summary
-from astraflow.trainer.torch_backend import METRIC_FIELDS
+from astraflow.trainer.loop import METRIC_FIELDS
 
 
 def row(step: int, reward: float, generated: int) -> dict[str, float]:

@@ -25,7 +25,7 @@ def test_arithmetic_source_is_deterministic_with_disjoint_heldout():
 def test_jsonl_source_names_file_and_line_of_a_bad_row(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": 5}\n')
-    with pytest.raises(ConfigError, match=rf"{path}:3: expected an object with a string \"prompt\""):
+    with pytest.raises(ConfigError, match=rf"{path}:3: field 'prompt': expected a non-empty string, got int 5"):
         TaskSource(TaskSourceConfig(kind="jsonl", path=str(path), heldout=0))
     path.write_text('{"prompt": "1+1=", "answer": 2}\n{oops\n')
     with pytest.raises(ConfigError, match=rf"{path}:2: not valid JSON"):

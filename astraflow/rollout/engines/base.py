@@ -24,18 +24,21 @@ import numpy as np
 class SamplingParams:
     max_tokens: int
     temperature: float = 1.0  # 0 = greedy
+    # Generation ends at any of these ids (the model's eos ids, the chat turn end:
+    # `ModelTokenizer.stop_ids`), kept as the completion's last token.
+    stop: tuple[int, ...] = ()
     # Decode `max_tokens` tokens whatever is sampled, then cut the completion at its first
-    # EOS: the cost of a long generation, the tokens of the unchanged distribution.
+    # stop token: the cost of a long generation, the tokens of the unchanged distribution.
     ignore_eos: bool = False
-    forced: tuple[int, ...] = ()  # score these tokens instead of sampling (ends with EOS)
+    forced: tuple[int, ...] = ()  # score these tokens instead of sampling (ends with a stop token)
 
 
 @dataclass(frozen=True)
 class Completion:
-    tokens: np.ndarray  # int32, ends with EOS unless cut at max_tokens
+    tokens: np.ndarray  # int32, ends with a stop token unless cut at max_tokens
     logprobs: np.ndarray  # float32, same length
     version: int  # weight version that generated every token of it
-    finished: bool  # ended with EOS
+    finished: bool  # ended with a stop token
     decoded: int = 0  # tokens the engine decoded for it (more than len(tokens) with ignore_eos)
 
 
@@ -47,3 +50,9 @@ class Engine(Protocol):
     async def load_weights(self, path: Path, version: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+def stop_cut(tokens: np.ndarray, stop: tuple[int, ...]) -> tuple[int, bool]:
+    """(length up to and including the first stop token, whether there was one)."""
+    ends = np.flatnonzero(np.isin(tokens, stop)) if stop else ()
+    return (int(ends[0]) + 1, True) if len(ends) else (len(tokens), False)

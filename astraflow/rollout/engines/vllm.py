@@ -6,9 +6,13 @@ actually sampled from (the default, raw logprobs, would be wrong for temperature
 New weights are loaded in place between batches: on CPU by `vllm_swap` (a third of the time of
 vLLM's own `collective_rpc("reload_weights")`, which every other platform uses).
 Identical requests in a batch (the members of a group) go to vLLM as one request for n samples.
-Forced tokens (a reference answer to score) go in as prompt tokens with prompt logprobs over
-the whole vocabulary: vLLM leaves prompt logprobs at temperature 1, so they are re-tempered
-here (log_softmax(logprobs / T) equals log_softmax(logits / T)).
+Forced tokens (a reference answer to score) go in as prompt tokens with prompt logprobs.
+vLLM leaves prompt logprobs at temperature 1: at T = 1 the forced token's own logprob is what
+is needed (`prompt_logprobs=0`); at any other T the whole vocabulary's are asked for and
+re-tempered here (log_softmax(logprobs / T) equals log_softmax(logits / T)). That costs a
+Python dict of the vocabulary per prompt position in vLLM's output processing: with a 4k
+vocabulary and 80-token prompts it took most of a worker's time, so sample at T = 1 where
+reference guidance meets a large vocabulary.
 
 CPU defaults (each overridable by the environment): a 1 GiB KV cache, the engine core in this
 process (one fewer process on a small machine), no OpenMP thread pinning (pinning vLLM's
@@ -25,10 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from astraflow.models.factory import MAX_POSITIONS
-from astraflow.models.tokenizer import TextCodec
 from astraflow.rollout.engines import vllm_swap
-from astraflow.rollout.engines.base import Completion, SamplingParams
+from astraflow.rollout.engines.base import Completion, SamplingParams, stop_cut
 from astraflow.rollout.engines.batching import BatchingEngine
 from astraflow.weights.fs import load_state_dict
 
@@ -48,16 +50,23 @@ def import_vllm() -> None:
 
 class VLLMEngine(BatchingEngine):
     def __init__(self, model_dir: str | Path, max_batch: int = 256, threads: int | None = None, seed: int = 0,
-                 batch_wait_s: float = 0.0) -> None:
+                 batch_wait_s: float = 0.0, dtype: str = "auto", max_model_len: int = 0,
+                 gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
+                 enforce_eager: bool | None = None) -> None:
         super().__init__(max_batch, batch_wait_s)
         import_vllm()
         # `threads` reaches vLLM through OMP_NUM_THREADS, set before torch loads (`engines.import_library`)
+        import torch
         from vllm import LLM
 
-        self.codec = TextCodec(model_dir)
-        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                       seed=seed, max_model_len=MAX_POSITIONS, logprobs_mode="processed_logprobs",
-                       max_num_seqs=max_batch, max_logprobs=-1)
+        gpu = torch.cuda.is_available()
+        # vLLM's CPU kernels die with SIGILL in bf16 on this kind of machine: fp32 there, always
+        dtype = ("bfloat16" if gpu else "float32") if dtype == "auto" or not gpu else dtype
+        gpu_settings = dict(gpu_memory_utilization=gpu_memory_utilization) if gpu else {}
+        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                       enforce_eager=(not gpu) if enforce_eager is None else enforce_eager,
+                       max_model_len=max_model_len or None, tensor_parallel_size=tensor_parallel_size,
+                       logprobs_mode="processed_logprobs", max_num_seqs=max_batch, max_logprobs=-1, **gpu_settings)
         self.swap_in_place = vllm_swap.applies()
 
     def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
@@ -79,39 +88,41 @@ class VLLMEngine(BatchingEngine):
                     results[i] = scored
             else:
                 for i, sample in zip(ids, out.outputs):
-                    results[i] = self._sampled(sample)
+                    results[i] = self._sampled(sample, p)
         return results
 
     def _vllm_params(self, p: SamplingParams, n: int):
         from vllm import SamplingParams as VSampling
 
-        eos = self.codec.eos_id
         # skip_clone: vLLM deep-copies each request's parameters unless told these are its own
         return VSampling(n=1 if p.forced else n, temperature=max(0.0, p.temperature), top_k=0, top_p=1.0,
                          max_tokens=1 if p.forced else p.max_tokens, logprobs=0,
-                         prompt_logprobs=-1 if p.forced else None, stop_token_ids=[] if p.ignore_eos else [eos],
-                         ignore_eos=p.ignore_eos, detokenize=False, skip_clone=True)
+                         prompt_logprobs=(0 if p.temperature == 1.0 else -1) if p.forced else None,
+                         stop_token_ids=[] if p.ignore_eos else list(p.stop), ignore_eos=p.ignore_eos,
+                         detokenize=False, skip_clone=True)
 
-    def _sampled(self, sample) -> Completion:
-        """One sampled completion, cut after its first EOS (decoded past it with ignore_eos)."""
+    def _sampled(self, sample, p: SamplingParams) -> Completion:
+        """One sampled completion, cut after its first stop token (decoded past it with ignore_eos)."""
         decoded = np.asarray(sample.token_ids, np.int32)
-        ends = np.flatnonzero(decoded == self.codec.eos_id)
-        n = int(ends[0]) + 1 if len(ends) else len(decoded)
+        n, finished = stop_cut(decoded, p.stop)
         logprobs = np.array([step[t].logprob for step, t in zip(sample.logprobs[:n], sample.token_ids[:n])], np.float32)
-        return Completion(decoded[:n], logprobs, self.version, bool(len(ends)), len(decoded))
+        return Completion(decoded[:n], logprobs, self.version, finished, len(decoded))
 
     def _scored(self, steps: list[dict], p: SamplingParams) -> Completion:
         """The forced tokens with their logprobs at temperature p.temperature."""
         t = p.temperature if p.temperature > 0 else 1.0
+        tokens = np.asarray(p.forced, np.int32)
+        finished = bool(tokens[-1] in p.stop)
+        if t == 1.0:  # the tokens' own logprobs, as vLLM gives them
+            own = np.array([step[token].logprob for step, token in zip(steps, p.forced)], np.float32)
+            return Completion(tokens, own, self.version, finished, len(tokens))
         logprobs = []
         for step, token in zip(steps, p.forced):
             ids = np.fromiter(step.keys(), np.int64, len(step))
             tempered = np.fromiter((v.logprob for v in step.values()), np.float64, len(step)) / t
             tempered -= np.logaddexp.reduce(tempered)
             logprobs.append(tempered[ids == token][0])
-        tokens = np.asarray(p.forced, np.int32)
-        return Completion(tokens, np.asarray(logprobs, np.float32), self.version, bool(tokens[-1] == self.codec.eos_id),
-                          len(tokens))
+        return Completion(tokens, np.asarray(logprobs, np.float32), self.version, finished, len(tokens))
 
     def read_weights(self, path: Path) -> dict | Path:
         """The tensors for an in-place swap; vLLM's `reload_weights` reads the directory itself."""

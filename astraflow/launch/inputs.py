@@ -1,0 +1,59 @@
+"""Everything a run reads, checked before any component starts: the model directory, the
+data set (every row), the reward, the model family's shape. A problem is one ConfigError
+naming the file, line (or row) and field; `astraflow run` and the Slurm job's dataflow task
+exit with it (code 2) within seconds, instead of starting components that would wait for a
+rank that never publishes or crash-loop on a load. No torch here: JSON and data files only.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from astraflow.config.loader import ConfigError, load_config
+from astraflow.config.rundir import RunDir
+from astraflow.config.schema import Config
+from astraflow.models.directory import ModelDirError, check_model_dir
+from astraflow.models.families import FAMILIES
+from astraflow.tasks.sources import TaskSource
+from astraflow.workflows.rewards import load_reward
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    config = model_dir / "tokenizer_config.json"
+    declared = config.exists() and bool(json.loads(config.read_text()).get("chat_template"))
+    return declared or (model_dir / "chat_template.jinja").exists()
+
+
+def check_inputs(cfg: Config) -> None:
+    m, t = cfg.model, cfg.tasks
+    if m.path:
+        try:
+            check_model_dir(m.path)
+        except ModelDirError as e:
+            raise ConfigError(f"model.path: {e}") from None
+        chat = has_chat_template(Path(m.path))
+    else:
+        family = FAMILIES[m.like]
+        if m.size not in family.shapes:
+            raise ConfigError(f"model.size: {m.size!r} is not a size of model.like {m.like!r}; expected one of "
+                              f"{list(family.shapes)}")
+        chat = bool(family.chat_template)
+    if (t.chat_template or t.messages_key) and not chat:
+        raise ConfigError(f"tasks.{'chat_template' if t.chat_template else 'messages_key'}: prompts go through a chat "
+                          f"template, but the model ({m.path or 'model.like ' + m.like}) has none")
+    if t.kind in ("jsonl", "parquet", "hf_disk") and not t.path:
+        raise ConfigError(f"tasks.path: required when tasks.kind is {t.kind!r}")
+    TaskSource(t)  # reads and validates every row
+    load_reward(t.reward)
+
+
+def open_run_checked(run_dir: str | Path, config: str | Path | None, overrides: list[str]) -> RunDir:
+    """`RunDir.create_or_open` after `check_inputs`: a run directory is never created for
+    inputs that cannot run."""
+    exists = (Path(run_dir) / "config.yaml").exists()
+    if not exists and config is not None:
+        check_inputs(load_config(config, overrides))
+    run = RunDir.create_or_open(run_dir, config, overrides)
+    if exists:
+        check_inputs(run.config)
+    return run

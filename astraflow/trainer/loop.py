@@ -1,0 +1,241 @@
+"""`astraflow train --policy P`: one policy's trainer — the part every backend shares.
+
+Per step: pull the step's batch from the dataflow rank (blocking; a replayed step after a
+restart gets the same samples), let the backend train on it (`Backend.train_step`), publish
+weights version = step (rank 0, filesystem channel, in the training dtype), announce it,
+then acknowledge the step's samples (`Consumed`). Metrics go to `metrics/<policy>.csv` (a row
+per trained step, appended; a replayed step gets a row again and readers merge a step's rows:
+`analysis/metrics.py`) and to TensorBoard event files in `metrics/tensorboard/<policy>/`; the
+sample ids of every
+acknowledged step go to `metrics/<policy>.consumed.jsonl` (the trainer's own ledger, which
+audits compare with the rank's journal). Every `checkpoint_every` steps the backend saves
+its state; a restarted trainer resumes from the newest checkpoint and tells the dataflow
+rank (`Ready(resume_step)`), which re-serves exactly the steps after it. Version v of the
+weights is the model after step v (v0 = the base model).
+
+Backends (`BACKENDS`, an explicit table; `trainer.backend`) own the model: loading, the
+optimizer step on a batch, their checkpoint state, and the Hugging Face view published to
+the engines. Leasing, `Ready`/`Consumed`, checkpoint bookkeeping, publishing and metrics
+live here, once.
+
+Invariant: a step is checkpointed only after the rank has acknowledged its samples. The
+other way round, a trainer killed between the two resumed past a step the rank had never
+seen consumed: the step was missing from the journal's lineage and its samples went back to
+the buffer, to be trained again (the kill chaos test caught it: 49 of 50 steps in the lineage).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from tensorboardX import SummaryWriter
+
+from astraflow import hardware
+from astraflow.analysis.metrics import append_metrics, metrics_path
+from astraflow.config.rundir import RunDir
+from astraflow.models import wait_for_model
+from astraflow.protocol import messages as m
+from astraflow.protocol.client import Client, moved_to, read_rendezvous, wait_rendezvous
+from astraflow.protocol.codec import RemoteError
+from astraflow.slurm.env import partition
+from astraflow.trainer.backend import Backend
+from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, prune_checkpoints
+from astraflow.trainer.lr import lr_at
+from astraflow.trainer.torch_backend import TorchBackend
+from astraflow.weights.fs import publish, verify, version_dir
+
+log = logging.getLogger(__name__)
+
+BATCH_TIMEOUT_S = 30.0
+STOPPED_TIMEOUT_S = 5.0  # how long a stopping trainer tries to tell the rank
+STOP_POLL_S = 0.5  # how often a trainer waiting for a batch looks at its stop flag
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend}
+
+METRIC_FIELDS = ("step", "time", "reward_mean", "reward_trained", "generated", "loss", "clip_frac", "is_weight",
+                 "behaviour_kl", "entropy", "grad_norm", "samples", "tokens", "completion_len", "version_lag",
+                 "wait_s", "train_s", "lr")
+
+
+class TrainerStopped(Exception):
+    """A stop signal arrived while waiting for a batch."""
+
+
+class Trainer:
+    def __init__(self, run: RunDir, policy: str, rank: int = 0, world: int = 1) -> None:
+        self.run, self.cfg, self.policy = run, run.config, policy
+        self.tcfg = run.config.trainer_for(policy)
+        self.rank, self.world = rank, world
+        torch.manual_seed(run.config.run.seed + rank)
+        self.base_dir = wait_for_model(run.path, run.config, policy)  # it may still be being prepared
+        self.backend: Backend = BACKENDS[self.tcfg.backend](self.base_dir, run.config, policy, rank, world)
+        self.metric_fields = METRIC_FIELDS + (("kl_ref",) if self.tcfg.ref_kl else ())
+        self.ckpt_dir = run.path / "checkpoints" / policy
+        self.step = 0
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        if ckpt is not None:
+            self.step = self.backend.load(ckpt)
+            log.info("resumed from %s (step %d)", ckpt.name, self.step)
+        self.client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=BATCH_TIMEOUT_S)
+        self.stop = False
+        self.board: SummaryWriter | None = None
+        signal.signal(signal.SIGUSR1, self._checkpoint_and_stop)  # Slurm's warning before preemption
+        signal.signal(signal.SIGTERM, self._checkpoint_and_stop)
+
+    def _checkpoint_and_stop(self, signum, frame) -> None:
+        self.stop = True
+
+    def call(self, request, interruptible: bool = False):
+        """Retry through dataflow restarts; every request the trainer makes is idempotent.
+
+        An `interruptible` request (waiting for a batch) gives up when a stop signal arrives,
+        so that the trainer checkpoints at once instead of waiting for data that may never
+        come (the dataflow rank is being stopped too)."""
+        while True:
+            seq = self.client.send(request)
+            deadline = time.monotonic() + BATCH_TIMEOUT_S
+            while time.monotonic() < deadline:
+                reply = self.client.poll(seq, STOP_POLL_S)
+                if reply is not None:
+                    return reply
+                if interruptible and self.stop:
+                    self.client.abandon(seq)
+                    raise TrainerStopped
+                if moved_to(self.run.path, self.client.address):
+                    break  # the rank restarted elsewhere: resend there now, not after the timeout
+            self.client.abandon(seq)
+            self.client.reconnect(read_rendezvous(self.run.path)["address"])
+
+    def publish(self, step: int) -> str:
+        return publish(self.backend.hf_state_dict(), self.base_dir, self.run.path / "weights", self.policy, step,
+                       dtype=self.backend.publish_dtype)
+
+    def republish_if_damaged(self) -> None:
+        """The resumed step's published weights are what workers load first: if they are
+        missing or damaged, publish them again from the checkpoint (the same model)."""
+        if self.step == 0:
+            return
+        problem = verify(version_dir(self.run.path / "weights", self.policy, self.step))
+        if problem is not None:
+            log.error("republishing v%d from the checkpoint: %s", self.step, problem)
+            self.call(m.Published(self.policy, self.step, self.publish(self.step), checkpoint_steps(self.ckpt_dir)))
+
+    def run_loop(self) -> None:
+        if self.rank == 0:  # one Ready per group: a second one would hand back what rank 0 was served
+            self.republish_if_damaged()
+            ready = self.call(m.Ready(m.PROTOCOL_VERSION, self.policy, self.step, hardware=hardware.describe(),
+                                      partition=partition(), world=self.world))
+            if ready.replay_steps:
+                log.info("dataflow rank will replay steps %s", ready.replay_steps)
+        if self.world > 1:
+            dist.barrier()
+        while self.step < self.tcfg.steps and not self.stop:
+            try:
+                row = self.train_step(self.step + 1)
+            except TrainerStopped:
+                break
+            if row is None:
+                break
+        if self.board is not None:
+            self.board.close()
+        if self.stop and self.rank == 0:
+            self.checkpoint(self.step)
+            log.info("stopped by a signal: checkpointed step %d", self.step)
+            self.say_stopped()
+        self.client.close()
+
+    def say_stopped(self) -> None:
+        """Tell the rank (once, briefly: it may be gone already) that this group has stopped;
+        on Slurm's warning its supervisor waits for that before it stops the rank."""
+        try:
+            self.client.call(m.Stopped(self.policy, self.step), timeout_s=STOPPED_TIMEOUT_S)
+        except (TimeoutError, RemoteError) as e:
+            log.warning("could not tell the dataflow rank that this trainer stopped: %s", e)
+
+    def record(self, row: dict) -> None:
+        """One CSV line and TensorBoard scalars per step (rank 0 only)."""
+        append_metrics(metrics_path(self.run.path, self.policy), self.metric_fields, row)
+        if self.board is None:
+            self.board = SummaryWriter(str(self.run.path / "metrics" / "tensorboard" / self.policy))
+        for key in self.metric_fields[2:]:
+            self.board.add_scalar(f"{self.policy}/{key}", row[key], row["step"], walltime=row["time"])
+        self.board.flush()
+
+    def train_step(self, step: int) -> dict | None:
+        t0 = time.perf_counter()
+        try:
+            reply = self.call(m.Batch(self.policy, step, self.tcfg.batch_size, self.rank, self.world, self.step),
+                              interruptible=True)
+        except RemoteError as e:
+            if e.code == "exhausted":
+                log.info("no samples left: stopping at step %d", self.step)
+                return None
+            raise
+        wait = time.perf_counter() - t0
+        lr = lr_at(self.tcfg, step)
+        stats = self.backend.train_step(reply, step, lr)
+        self.step = step
+        ids = self._all_sample_ids(reply)
+        n = len(reply.sample_ids)
+        row = {"step": step, "time": time.time(), "reward_mean": reply.generated_reward_mean,
+               "reward_trained": float(reply.trajectories.reward.mean()), "generated": reply.generated_count,
+               "samples": n * self.world, "tokens": int(reply.trajectories.lengths.sum()) * self.world,
+               "wait_s": wait, "train_s": time.perf_counter() - t0 - wait, "lr": lr, **stats}
+        if self.rank == 0:
+            # the metrics row before `Consumed`: killed in between, the step is replayed and its
+            # rows merged; killed after `Consumed` with the row unwritten, the step was lost to them
+            self.record(row)
+            self.call(m.Published(self.policy, step, self.publish(step), checkpoint_steps(self.ckpt_dir)))
+            self.call(m.Consumed(self.policy, step, ids))
+            with open(self.run.path / "metrics" / f"{self.policy}.consumed.jsonl", "a") as ledger:
+                ledger.write(json.dumps({"step": step, "ids": ids}) + "\n")  # the trainer's own ledger
+            if step % self.tcfg.checkpoint_every == 0 or step == self.tcfg.steps:
+                self.checkpoint(step)  # after the acknowledgement: see the invariant above
+        return row
+
+    def checkpoint(self, step: int) -> None:
+        self.backend.save(self.ckpt_dir, step)
+        prune_checkpoints(self.ckpt_dir)
+
+    def _all_sample_ids(self, reply: m.BatchReply) -> list[int]:
+        ids = reply.sample_ids.tolist()
+        if self.world == 1:
+            return ids
+        gathered: list[list[int]] = [None] * self.world  # type: ignore[list-item]
+        dist.all_gather_object(gathered, ids)
+        # the dataflow rank dealt ids[rank::world]; interleave them back into serving order
+        out = [None] * sum(len(g) for g in gathered)
+        for r, g in enumerate(gathered):
+            out[r::self.world] = g
+        return out
+
+
+def run_trainer(run_dir: str, policy: str) -> bool:
+    """Train this rank; True when the run's steps are done, False when stopped by a signal."""
+    run = RunDir.open(run_dir)
+    rank = int(os.environ.get("ASTRAFLOW_RANK", "0"))
+    world = int(os.environ.get("ASTRAFLOW_WORLD", str(run.config.trainer.world)))
+    torch.set_num_threads(run.config.trainer_for(policy).threads)
+    if world > 1:
+        # a fresh file per launch (session) and group start: a FileStore left by a crashed group
+        # or an earlier launch cannot be reused. NCCL between GPUs, gloo on CPUs.
+        session = os.environ.get("ASTRAFLOW_SESSION", "manual")
+        store = Path(run.path) / "rendezvous" / f"torch-{policy}-{session}-{os.environ.get('ASTRAFLOW_START', '0')}"
+        device = hardware.device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+    trainer = Trainer(run, policy, rank, world)
+    trainer.run_loop()
+    if world > 1:
+        dist.destroy_process_group()
+    return trainer.step >= trainer.tcfg.steps or not trainer.stop
