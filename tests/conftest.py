@@ -144,6 +144,19 @@ def constant(value: float):
 STORE_POLICIES = ("solver", "verifier")
 
 
+def recovered_state(run_dir: Path):
+    """A DataflowState on RUN_DIR after `recover()`, on a fixed clock; closed again if recovery
+    refuses the run (so the refusal's test leaves no open shard behind)."""
+    from astraflow.dataflow.state import DataflowState
+    state = DataflowState(run_dir, RunDir.open(run_dir).config, clock=lambda: 1000.0)
+    try:
+        state.recover()
+    except BaseException:
+        state.close()
+        raise
+    return state
+
+
 def make_batch(first_id: int, n: int, tokens: int = 50, seed: int = 0) -> RowBatch:
     """n random trajectories of `tokens` tokens for the store, sample ids from `first_id`."""
     rng = np.random.default_rng(seed + first_id)

@@ -96,6 +96,18 @@ EOF
   return 0
 }
 
+# Runs a daemon with no descriptor of the caller's but stdin/out/err: munged keeps what it
+# inherits, so a lock held by whoever started the cluster (`flock LOCK make test`) would stay
+# held for as long as munged lives.
+without_inherited_fds() {
+  local fd
+  for fd in /proc/$BASHPID/fd/*; do
+    fd=${fd##*/}
+    ((fd > 2)) && eval "exec $fd>&-"
+  done 2>/dev/null
+  "$@"
+}
+
 start_munge() {
   if [[ ! -s /etc/munge/munge.key ]]; then
     mkdir -p /etc/munge
@@ -105,7 +117,7 @@ start_munge() {
   fi
   mkdir -p /run/munge && chown munge:munge /run/munge
   pid_alive /run/munge/munged.pid && return
-  runuser -u munge -- /usr/sbin/munged
+  (without_inherited_fds runuser -u munge -- /usr/sbin/munged)
 }
 
 healthy() {

@@ -6,8 +6,7 @@ A training reward that stalls is an average; this splits it by the task's answer
 `answer` of the prompt source, found from the task id). On the quickstart it showed that
 the reward stops under 0.8 because the answers 10 and 20-27 (18.6% of the samples), right
 0-7% of the time under the starting weights, are never right after the first 60-180
-versions, while every other answer ends at 0.82-0.98 (docs/architecture.md, "Measured so
-far").
+versions, while every other answer ends at 0.82-0.98.
 
 Reads the shards (SWMR, so a live run works too) and the run's config; no torch. Versions
 are split into `buckets` equal ranges of `version_min`, the oldest weights in a sample.

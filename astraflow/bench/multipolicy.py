@@ -56,7 +56,7 @@ WORKLOAD = {
     # other episodes (16: 2.38 s/iter, 32: 1.34, median of three seeds); a sync round leases
     # only what its batches lack, so it is the same at either (6.14 and 6.20 s/iter)
     "rollout.concurrency": "32",
-    # the verifier of the measured comparisons (docs/architecture.md): the config's larger
+    # the verifier of the measured comparisons (docs/benchmarks.md): the config's larger
     # batch, learning rate, KL term and contrast answers serve its 600-step learning run
     "policies.1.batch_size": "128",
     "policies.1.lr": "0.00025",

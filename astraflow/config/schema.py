@@ -280,7 +280,7 @@ class TrainerConfig:
     clip_eps: float = 0.2
     is_cap: float = 2.0  # truncation of the behaviour importance weight (decoupled PPO)
     # Weight of KL(starting policy || policy) per trained token (trainer/loss.py): keeps
-    # answers the policy rarely gets right from dying out early (docs/architecture.md).
+    # answers the policy rarely gets right from dying out early (trainer/loss.py).
     ref_kl: float = 0.0
     minibatches: int = 1
     checkpoint_every: int = 10

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 STEPS, BATCH = 24, 64
 # A task this tiny model provably learns within seconds (the parity of a number, from a random
 # init): the test is about the system carrying a learning signal through crashes, and the
-# quickstart's arithmetic does not give one in 24 steps (see docs/architecture.md).
+# quickstart's arithmetic does not give one in 24 steps.
 OVERRIDES = [f"trainer.steps={STEPS}", f"trainer.batch_size={BATCH}", "trainer.checkpoint_every=4",
              "trainer.lr=0.003", "warmup.steps=0", "tasks.warmup=0", "tasks.kind=jsonl", "engine.max_tokens=3",
              "launcher.backoff_s=0.2", "dataflow.heartbeat_timeout_s=3", "dataflow.lease_s=5",

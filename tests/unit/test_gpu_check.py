@@ -1,5 +1,5 @@
 """The prepared GPU check (`tools/gpu_check.py`): its code runs here on the CPU with a tiny
-shape, so a GPU session spends its minutes measuring, not debugging; on a machine with CUDA
+shape, so the minutes on a GPU machine go to measuring, not debugging; on a machine with CUDA
 the full check runs (0.5B- and 1.5B-shaped models at 4k tokens, bf16)."""
 from __future__ import annotations
 

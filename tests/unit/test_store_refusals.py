@@ -13,12 +13,10 @@ import h5py
 import pytest
 
 from astraflow.analysis.audit import audit
-from astraflow.config.rundir import RunDir
-from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
 from astraflow.store.errors import StoreRefused
 from astraflow.store.writer import list_shards
-from tests.conftest import make_run, trained_run_dir
+from tests.conftest import make_run, recovered_state, trained_run_dir
 
 
 def snapshot(run_dir: Path) -> dict[str, bytes]:
@@ -32,29 +30,19 @@ def rename_policy(run_dir: Path, old: str, new: str) -> None:
     config.write_text(config.read_text().replace(f"- name: {old}\n", f"- name: {new}\n"))
 
 
-def recover(run_dir: Path) -> DataflowState:
-    state = DataflowState(run_dir, RunDir.open(run_dir).config, clock=lambda: 1000.0)
-    try:
-        state.recover()
-    except BaseException:
-        state.close()
-        raise
-    return state
-
-
 def test_a_policy_renamed_in_the_config_is_refused_and_restoring_the_config_brings_the_run_back(tmp_path):
     run_dir = trained_run_dir(tmp_path)
     (shard,) = list_shards(run_dir / "shards")
     before = snapshot(run_dir)
     rename_policy(run_dir, "policy", "solver")
     with pytest.raises(StoreRefused) as refused:
-        recover(run_dir)
+        recovered_state(run_dir)
     message = str(refused.value)
     assert "\n" not in message and str(shard) in message
     assert "stores policies ['policy'] but the run's config names ['solver']" in message
     assert snapshot(run_dir) == before  # nothing moved, nothing written
     rename_policy(run_dir, "solver", "policy")
-    state = recover(run_dir)
+    state = recovered_state(run_dir)
     assert len(state.tasks.done) == 8 and not state.store.quarantined
     state.close()
     assert audit(run_dir)["ok"]
@@ -63,7 +51,7 @@ def test_a_policy_renamed_in_the_config_is_refused_and_restoring_the_config_brin
 def test_a_journal_naming_a_policy_the_config_lacks_is_refused(tmp_path):
     """No shard yet, but the journal already names the policy (its trainer registered)."""
     run = make_run(tmp_path)
-    state = recover(run.path)
+    state = recovered_state(run.path)
     state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
     state.flush()
     state.close()
@@ -71,7 +59,7 @@ def test_a_journal_naming_a_policy_the_config_lacks_is_refused(tmp_path):
     rename_policy(run.path, "policy", "solver")
     with pytest.raises(StoreRefused, match=r"names policy 'policy' \(a 'ready' event\) but the run's config names "
                                            r"\['solver'\]"):
-        recover(run.path)
+        recovered_state(run.path)
     assert snapshot(run.path) == before
 
 
@@ -82,5 +70,5 @@ def test_a_shard_of_a_newer_schema_is_refused_not_quarantined(tmp_path):
         f.attrs["schema_version"] = 99
     before = snapshot(run_dir)
     with pytest.raises(StoreRefused, match=r"schema_version 99, this code reads \[1, 2, 3\]"):
-        recover(run_dir)
+        recovered_state(run_dir)
     assert snapshot(run_dir) == before

@@ -14,23 +14,12 @@ import numpy as np
 import pytest
 
 from astraflow.bench.payload import random_trajectory
-from astraflow.config.rundir import RunDir
 from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
 from astraflow.store.errors import StoreRefused
 from astraflow.store.identity import FileVanished
 from astraflow.store.reader import ShardReader
-from tests.conftest import make_run
-
-
-def started(run_dir: Path) -> DataflowState:
-    state = DataflowState(run_dir, RunDir.open(run_dir).config, clock=lambda: 1000.0)
-    try:
-        state.recover()
-    except BaseException:
-        state.close()
-        raise
-    return state
+from tests.conftest import make_run, recovered_state
 
 
 def commit(state: DataflowState, worker: str, task: int) -> None:
@@ -43,7 +32,7 @@ def commit(state: DataflowState, worker: str, task: int) -> None:
 def serving(tmp_path):
     """A rank's state with one commit flushed and a second task leased."""
     run = make_run(tmp_path, ["tasks.group_size=4"])
-    state = started(run.path)
+    state = recovered_state(run.path)
     worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 2)).worker_id
     tasks = [t.task_id for t in state.handle(m.Lease(worker, 2)).tasks]
     commit(state, worker, tasks[0])
@@ -68,9 +57,9 @@ def test_a_journal_deleted_under_the_rank_stops_it_and_its_content_is_rescued(se
 
     with pytest.raises(StoreRefused, match=rf"journal.jsonl is missing or empty but shard-000000.h5 holds the "
                                            rf"run's data: .* rescued a copy when it saw it go: {rescued}"):
-        started(run_dir)
+        recovered_state(run_dir)
     os.replace(rescued, journal)  # the operator restores it: the run resumes where it was
-    state = started(run_dir)
+    state = recovered_state(run_dir)
     assert state.tasks.done == set(tasks) and state.incarnation == 2
     state.close()
 
@@ -102,7 +91,7 @@ def test_an_active_shard_deleted_under_the_rank_stops_it_and_its_content_is_resc
 def test_a_journal_that_begins_later_than_the_run_is_refused(tmp_path):
     """A journal started afresh next to existing shards (what a restart after a deletion did)."""
     run = make_run(tmp_path, ["tasks.group_size=4"])
-    state = started(run.path)
+    state = recovered_state(run.path)
     worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 1)).worker_id
     commit(state, worker, state.handle(m.Lease(worker, 1)).tasks[0].task_id)
     state.flush()
@@ -110,4 +99,4 @@ def test_a_journal_that_begins_later_than_the_run_is_refused(tmp_path):
     journal = run.path / "journal" / "journal.jsonl"
     journal.write_text(json.dumps({"ev": "start", "incarnation": 1, "time": 0.0, "first_sample": 4}) + "\n")
     with pytest.raises(StoreRefused, match="begins with incarnation 1 at sample 4, not at the run's start"):
-        started(run.path)
+        recovered_state(run.path)
