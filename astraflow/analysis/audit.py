@@ -23,6 +23,7 @@ import numpy as np
 
 from astraflow.analysis.ledgers import agree, cross_check, read_ledgers
 from astraflow.store.errors import StoreRefused
+from astraflow.config.rundir import existing_run
 from astraflow.store.journal import replay
 from astraflow.store.reader import ShardCorrupt, ShardReader, load_rows
 
@@ -55,7 +56,7 @@ def lineage(run_dir: Path) -> dict[tuple[str, int], dict]:
 
 
 def audit(run_dir: str | Path) -> dict:
-    run_dir = Path(run_dir)
+    run_dir = existing_run(run_dir, "shards")
     trainer_ledgers, acks = read_ledgers(run_dir)  # before the journal and the shards: see ledgers.py
     df = load_rows(run_dir, verify=True)  # a shard whose data cannot be found has lost it
     commits = df.groupby(["task_id", "worker", "t_commit"]).size().groupby("task_id").size()

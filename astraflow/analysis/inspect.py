@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from astraflow.config.rundir import existing_run
 from astraflow.store.journal import replay
 from astraflow.store.reader import iter_shards, load_rows
 
@@ -44,7 +45,7 @@ def live_status(run_dir: Path) -> dict[str, Any] | None:
 
 
 def inspect_run(run_dir: str | Path, live: bool = True) -> dict[str, Any]:
-    run_dir = Path(run_dir)
+    run_dir = existing_run(run_dir, "shards")
     df = load_rows(run_dir)
     consumed: dict[str, int] = {}
     steps: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""`astraflow plot RUN_DIR -o curve.png`: the training curve of a run, from its own metrics.
+"""`astraflow plot RUN_DIR [-o PNG]`: the training curve of a run, from its own metrics.
 
 Per policy: the reward of everything generated (what the policy achieves) and of the trained
 batches, against wall-clock seconds since the first step, with the held-out accuracy of the
@@ -16,15 +16,20 @@ from pathlib import Path
 import yaml
 
 from astraflow.analysis.metrics import SMOOTH_STEPS, generated_reward_smoothed, read_metrics
+from astraflow.config.rundir import existing_run
+
+DEFAULT_NAME = "curve.png"  # inside the run directory: a plot never overwrites another run's
 
 
-def plot_run(run_dir: str | Path, out: str | Path) -> Path:
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the curve to `out` (default: RUN_DIR/curve.png); returns where."""
+    run_dir = existing_run(run_dir)
+    out = Path(out) if out is not None else run_dir / DEFAULT_NAME
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
     fig, ax = plt.subplots(figsize=(7, 4))
     for path in sorted((run_dir / "metrics").glob("*.csv")):
         rows = read_metrics(run_dir, path.stem)

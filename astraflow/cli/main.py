@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from astraflow.config.loader import ConfigError
+from astraflow.config.rundir import NoRunDir
 
 
 def _dataflow(args: argparse.Namespace) -> int:
@@ -341,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="plot a run's training curve (PNG) from its metrics")
     p.add_argument("run_dir")
-    p.add_argument("-o", "--out", default="curve.png")
+    p.add_argument("-o", "--out", help="the PNG to write (default: RUN_DIR/curve.png, inside the run directory)")
     p.set_defaults(fn=_plot)
 
     p = sub.add_parser("bench", help="benchmarks (print JSON)")
@@ -419,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
-    except ConfigError as e:
-        print(f"astraflow: config error: {e}", file=sys.stderr)
+    except (ConfigError, NoRunDir) as e:  # already phrased for the user, naming the file or path
+        print(f"astraflow {args.command}: error: {e}", file=sys.stderr)
         return 2
 
 

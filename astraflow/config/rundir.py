@@ -33,6 +33,20 @@ SUBDIRS = ("rendezvous", "shards", "journal", "weights", "checkpoints", "logs", 
 _PACKAGES = ("astraflow", "numpy", "h5py", "pyzmq", "msgpack", "PyYAML", "torch", "transformers", "vllm")
 
 
+class NoRunDir(FileNotFoundError):
+    """A command or reader was pointed at a path that holds no run: one line naming it."""
+
+
+def existing_run(path: str | Path, needs: str = "config.yaml") -> Path:
+    """`path` as a Path if it holds `needs` (a file or folder of every run directory), else
+    `NoRunDir`: readers of a run never report an empty run for a mistyped path."""
+    path = Path(path)
+    if not (path / needs).exists():
+        what = "no such directory" if not path.exists() else f"not a run directory (no {needs} in it)"
+        raise NoRunDir(f"{path}: {what}")
+    return path
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path
@@ -70,10 +84,11 @@ class RunDir:
     @staticmethod
     def open(path: str | Path, overrides: Iterable[str] = ()) -> "RunDir":
         """Open an existing run; `overrides` may change runtime-changeable keys only."""
-        path = Path(path)
+        try:
+            path = existing_run(path)
+        except NoRunDir as e:  # a ConfigError to the components, which stop on one
+            raise ConfigError(str(e)) from None
         cfg_file = path / "config.yaml"
-        if not cfg_file.exists():
-            raise ConfigError(f"{path}: not a run directory (no config.yaml)")
         check_secret_mode(path / "secret")
         runtime_file = path / "config.runtime.yaml"
         earlier = runtime_file.read_text().splitlines() if runtime_file.exists() else []

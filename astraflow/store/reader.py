@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
+from astraflow.config.rundir import existing_run
 from astraflow.store.errors import StoreRefused
 from astraflow.store.schema import META_COLUMN, MISSING_DEFAULTS, READABLE_VERSIONS, ROW_COLUMNS, TOKEN_COLUMNS
 from astraflow.store.swmr import LIVE_READ_ATTEMPTS, open_swmr
@@ -221,12 +222,13 @@ def load_rows(run_dir: str | Path, closed_only: bool = False, verify: bool = Fal
     Columns: the row table plus `policy` as a name, `shard`, `row`. Skips unreadable shards
     (they are listed in `df.attrs["skipped"]`) and torn tails (`df.attrs["torn"]`: shard name
     -> rows ignored). With `verify`, a shard whose data cannot be found (its chunk index is
-    damaged, `ShardReader.verify`) is skipped too.
+    damaged, `ShardReader.verify`) is skipped too. A path with no `shards/` folder is no run:
+    `NoRunDir` (a FileNotFoundError), never an empty frame.
     """
     import pandas as pd
 
     frames, skipped, torn = [], [], {}
-    shards = list(iter_shards(Path(run_dir)))
+    shards = list(iter_shards(existing_run(run_dir, "shards")))
     if closed_only and shards:
         shards = shards[:-1]
     for path in shards:
