@@ -64,8 +64,8 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     preparing = components.start_prepare(run)
     t_components = time.time()
     try:
-        sup.add(components.dataflow(run, local=True))
-        wait_rendezvous(run.path, timeout_s=60, newer_than=t_components)
+        rank = sup.add(components.dataflow(run, local=True)).name
+        wait_rendezvous(run.path, timeout_s=60, newer_than=t_components, alive=lambda: sup.check_starting(rank))
         trainers = [sup.add(components.trainer(run, p, list(range(cfg.trainer.world)), cfg.trainer.world)).name
                     for p in cfg.policy_names]
         workers = [sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}", cfg.worker_policies(i))).name

@@ -89,8 +89,8 @@ class Node:
             components.prepare(run)
             self.sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
             t0 = time.time()
-            self.sup.add(components.dataflow(run, local=False))
-            wait_rendezvous(run.path, timeout_s=120, newer_than=t0)
+            rank = self.sup.add(components.dataflow(run, local=False)).name
+            wait_rendezvous(run.path, timeout_s=120, newer_than=t0, alive=lambda: self.sup.check_starting(rank))
         return {"run_dir": str(run.path.resolve()), "session": session, "finished": finished}
 
     # ------------------------------------------------------------ roles
