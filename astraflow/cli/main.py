@@ -251,7 +251,8 @@ def env_server_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="the run directory (created if absent)")
-    p.add_argument("--config", help="YAML config (needed only to create a new run directory)")
+    p.add_argument("--config", help="YAML config: creates a new run directory; with an existing one it must be "
+                                     "that run's config (else refused: resume without it)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (on an existing run: runtime-changeable keys only)")
 
@@ -267,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_dataflow)
 
     p = sub.add_parser("run", help="run every component locally, supervised (the embedded default)")
-    p.add_argument("config", nargs="?", help="YAML config (omit with --run-dir to resume a run)")
+    p.add_argument("config", nargs="?", help="YAML config. To resume, give --run-dir alone: with an existing run "
+                                             "directory a config that differs from the run's is refused, naming the "
+                                             "keys (runtime keys change with --set)")
     p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>; existing: resume)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--quiet", action="store_true", help="no live progress line")

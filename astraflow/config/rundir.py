@@ -26,7 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable
 
-from astraflow.config.loader import ConfigError, dump_config, load_config, parse_config, runtime_changes
+from astraflow.config.loader import (ConfigError, differences, dump_config, load_config, parse_config,
+                                    runtime_changes)
 from astraflow.config.schema import Config
 
 SUBDIRS = ("rendezvous", "shards", "journal", "weights", "checkpoints", "logs", "metrics")
@@ -105,11 +106,36 @@ class RunDir:
 
     @staticmethod
     def create_or_open(path: str | Path, config_file: str | Path | None, overrides: Iterable[str] = ()) -> "RunDir":
+        """Open the run at `path`, or create it from `config_file`. A config file given with an
+        existing run must describe that run (`check_same_config`): a run keeps the config it was
+        created with, and a file that differs was never silently ignored again."""
         if (Path(path) / "config.yaml").exists():
+            if config_file is not None:
+                check_same_config(Path(path), config_file, overrides)
             return RunDir.open(path, overrides)
         if config_file is None:
             raise ConfigError(f"{path}: no run here yet; give a config file to create one")
         return RunDir.create(path, config_file, overrides)
+
+
+SHOWN_CHANGES = 5
+
+
+def check_same_config(path: Path, config_file: str | Path, overrides: Iterable[str]) -> None:
+    """Refuse `config_file` (with `overrides`) for the existing run at `path` if it differs from
+    the run's config (as created, with its runtime changes, with the same `overrides`) in any
+    key, naming the keys: resuming takes no config file, and runtime keys change with --set."""
+    overrides = list(overrides)
+    runtime_file = path / "config.runtime.yaml"
+    earlier = runtime_file.read_text().splitlines() if runtime_file.exists() else []
+    changes = differences(load_config(path / "config.yaml", earlier + overrides), load_config(config_file, overrides))
+    if not changes:
+        return
+    shown = ", ".join(f"{c.path} (run: {c.old!r}, file: {c.new!r})" for c in changes[:SHOWN_CHANGES])
+    more = f" and {len(changes) - SHOWN_CHANGES} more" if len(changes) > SHOWN_CHANGES else ""
+    raise ConfigError(f"{config_file}: differs from the config of the existing run {path} in {shown}{more}; a run "
+                      f"keeps the config it was created with: resume it without a config file (--run-dir {path}, "
+                      f"changing runtime keys with --set KEY=VALUE), or give a new run directory")
 
 
 def read_secret(path: Path) -> bytes:

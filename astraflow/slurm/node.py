@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 from astraflow.config.rundir import RunDir
 from astraflow.launch import components
@@ -75,7 +76,10 @@ class Node:
         """Rank 0 only: open the run, check the step's shape, prepare, start the dataflow rank."""
         if self.task.role != "dataflow":
             raise RuntimeError(f"rank 0 must be the dataflow task (het group 0), not {self.task.role}")
-        run = open_run_checked(self.run_dir, self.config, self.overrides)
+        # the job script names the submitted config for a run directory it has to create; one
+        # that `astraflow-launch` created (with its --set) is resumed as it is, also on a requeue
+        created = (Path(self.run_dir) / "config.yaml").exists()
+        run = open_run_checked(self.run_dir, None if created else self.config, self.overrides)
         cfg = run.config
         trainers = sum(p["role"] == "trainer" for p in peers)
         if trainers != cfg.trainer.world * len(cfg.policy_names):
