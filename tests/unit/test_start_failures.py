@@ -36,7 +36,8 @@ def test_a_component_out_of_restarts_quotes_the_last_start_of_its_log(tmp_path):
             sup.poll()
             time.sleep(0.05)
     msg = str(e.value)
-    assert "failed 2 times" in msg and "Traceback" in msg and msg.count("ValueError: data/tasks.jsonl:3") == 1  # one start, not both
+    assert "failed 2 times" in msg and "Traceback" in msg
+    assert msg.count("ValueError: data/tasks.jsonl:3") == 1  # the last start's, not both
 
 
 def test_last_error_ends_at_the_last_error_line_and_ignores_earlier_starts(tmp_path):
