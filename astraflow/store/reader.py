@@ -219,7 +219,9 @@ def iter_shards(run_dir: Path) -> Iterator[Path]:
 def load_rows(run_dir: str | Path, closed_only: bool = False, verify: bool = False) -> "Any":
     """All stored trajectories of a run as a pandas DataFrame (one row per trajectory).
 
-    Columns: the row table plus `policy` as a name, `shard`, `row`. Skips unreadable shards
+    Columns: the row table plus `policy` as a name, `shard`, `row`. `closed_only` leaves out the
+    newest shard while it is open for writing (for NFS, where reading a live shard is not safe);
+    a finished run's shards are all closed and all read. Skips unreadable shards
     (they are listed in `df.attrs["skipped"]`) and torn tails (`df.attrs["torn"]`: shard name
     -> rows ignored). With `verify`, a shard whose data cannot be found (its chunk index is
     damaged, `ShardReader.verify`) is skipped too. A path with no `shards/` folder is no run:
@@ -229,7 +231,7 @@ def load_rows(run_dir: str | Path, closed_only: bool = False, verify: bool = Fal
 
     frames, skipped, torn = [], [], {}
     shards = list(iter_shards(existing_run(run_dir, "shards")))
-    if closed_only and shards:
+    if closed_only and shards and _open_for_writing(shards[-1]):
         shards = shards[:-1]
     for path in shards:
         try:
@@ -258,6 +260,16 @@ def load_rows(run_dir: str | Path, closed_only: bool = False, verify: bool = Fal
     out.attrs["skipped"] = skipped
     out.attrs["torn"] = torn
     return out
+
+
+def _open_for_writing(path: Path) -> bool:
+    """Whether a shard may still grow: the newest shard whose superblock is marked open for SWMR
+    writing (its writer is live, or was killed). Every older shard is never written again, and
+    the last one of a finished run was closed, which clears the mark."""
+    try:
+        return check_not_truncated(path)
+    except (ShardCorrupt, StoreRefused):
+        return False  # not read as live: reading it reports the damage as for any shard
 
 
 def load_trajectory(run_dir: str | Path, shard: str, row: int) -> dict[str, Any]:
