@@ -115,10 +115,12 @@ def audit(run_dir: str | Path) -> dict:
 def format_audit(report: dict) -> str:
     verdict = "ok" if report["ok"] else "NOT OK"
     lines = [f"audit: {verdict}",
-             f"  tasks committed {report['tasks']}, trajectories {report['committed']}, trained {report['trained']}",
+             f"  tasks committed {report['tasks']}, trajectories {report['committed']}, trained "
+             + (", ".join(f"{p}: {n}" for p, n in report["trained"].items()) or "none"),
              f"  duplicates {report['duplicates']}, lost {report['lost']}, regenerated {report['regenerated']}, "
              f"trained twice {report['trained_twice']}, quarantined shards {report['quarantined_shards']}"]
-    lines += [f"  {k}: {v}" for k, v in report["examples"].items() if v]
+    lines += [f"  {k.replace('_', ' ')} (first {len(v)}): {', '.join(map(str, v))}"
+              for k, v in report["examples"].items() if v]
     lines += [f"  unreadable shard: {s}" for s in report["unreadable_shards"]]
     lines += [f"  torn tail ignored: {n} rows of {s}" for s, n in report["torn_rows"].items()]
     led = report["ledgers"]
@@ -128,5 +130,6 @@ def format_audit(report: dict) -> str:
                      f"{led['steps_missing_from_ledger']} journalled but not in the ledger, {led['trained_twice']} "
                      f"samples trained twice); {led['acked_commits']} acknowledged commits "
                      f"({led['acked_not_stored']} samples not stored)")
-        lines += [f"    {k}: {v}" for k, v in led["examples"].items() if v]
+        lines += [f"    {k.replace('_', ' ')}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
+                  for k, v in led["examples"].items() if v]
     return "\n".join(lines)

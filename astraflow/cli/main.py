@@ -422,10 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # here, where a closed pipe can be handled
+        return code
     except (ConfigError, NoRunDir) as e:  # already phrased for the user, naming the file or path
         print(f"astraflow {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `astraflow inspect --json | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        return 1
 
 
 if __name__ == "__main__":
