@@ -160,9 +160,10 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from astraflow.launch.local import run_local
+    from astraflow.launch.summary import format_summary
 
     summary = run_local(args.config, args.run_dir, args.set, quiet=args.quiet)
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(summary) if args.json else format_summary(summary))
     return 0
 
 
@@ -273,7 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "keys (runtime keys change with --set)")
     p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>; existing: resume)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--quiet", action="store_true", help="no progress output (on a terminal a line redrawn every "
+                                                        "second, otherwise a line every 10 s)")
+    p.add_argument("--json", action="store_true", help="end with RUN_DIR/summary.json as one line of JSON instead of "
+                                                       "a short summary")
     p.set_defaults(fn=_run)
 
     p = sub.add_parser("rollout", help="run a rollout worker")

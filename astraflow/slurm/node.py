@@ -135,6 +135,10 @@ class Node:
         components.finished_marker(run.path).write_text(json.dumps({"time": time.time(), "job": self.task.job_id}))
         components.dismiss_standby(run, ident)
         components.wait_workers_left(run)
+        try:
+            last = components.dataflow_status(run)  # after the workers' last commits: the counts are final
+        except TimeoutError:  # the rank is gone: the last status it gave
+            pass
         self.sup.stop(timeout_s=STOP_TIMEOUT_S)
         summary = write_summary(run, last, self.started, t_components, time.time())
         log.info("run finished: %s", json.dumps({k: summary.get(k) for k in ("steps", "reward_last", "eval_accuracy")}))

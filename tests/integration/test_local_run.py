@@ -61,6 +61,8 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, err[-3000:]
+    assert out.startswith(f"run {run_dir} finished in ") and len(out.splitlines()) <= 6, out  # for a person
+    assert "ETA" not in err and "step 1/" not in err  # --quiet: no progress lines
     summary = json.loads((run_dir / "summary.json").read_text())
     # each step counted once, although the restarted trainer replayed (and wrote rows for) some
     assert summary["steps"] == STEPS and summary["trained"] == STEPS * BATCH
@@ -83,6 +85,7 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
 
     # every stored trajectory is consistent with what the trainer consumed
     df = load_rows(run_dir)
+    assert summary["trajectories"] == len(df)  # counted after the workers' last commits, as inspect counts
     consumed: dict[int, list[int]] = {}
     for ev in replay(run_dir / "journal"):
         if ev["ev"] == "consumed":
