@@ -42,8 +42,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.plot(t, [r["reward_trained"] for r in rows], alpha=0.4, label=f"{path.stem}: reward (trained batch)")
     evals = run_dir / "eval.json"
     if evals.exists():
-        e = json.loads(evals.read_text())
-        ax.axhline(e["eval_accuracy_base"], ls=":", c="gray", label=f"held-out, start: {e['eval_accuracy_base']:.2f}")
+        e = json.loads(evals.read_text())  # no accuracies when there were no held-out prompts (`eval_skipped`)
+        if "eval_accuracy_base" in e:
+            ax.axhline(e["eval_accuracy_base"], ls=":", c="gray", label=f"held-out, start: {e['eval_accuracy_base']:.2f}")
         if "eval_accuracy" in e:
             ax.axhline(e["eval_accuracy"], ls="--", c="black", label=f"held-out, end: {e['eval_accuracy']:.2f}")
     ax.set_xlabel("seconds since the first training step")

@@ -115,8 +115,8 @@ def format_summary(summary: dict) -> str:
     if "eval_accuracy" in summary:
         accuracy = _pair(summary.get("eval_accuracy_base"), summary["eval_accuracy"])
         lines.append(f"  held-out accuracy (greedy, starting -> last weights): {accuracy}")
-    elif "eval_error" in summary:
-        lines.append(f"  held-out accuracy: {summary['eval_error']}")
+    elif "eval_error" in summary or "eval_skipped" in summary:
+        lines.append(f"  held-out accuracy: {summary.get('eval_error') or summary['eval_skipped']}")
     rate = f"{summary['samples_per_s']:.0f} samples/s" if summary.get("samples_per_s") else "no samples"
     lines.append(f"  {summary['trajectories']} trajectories stored, {summary['trained']} trained ({rate}), "
                  f"{summary['dropped']} dropped (stale {summary['dropped_stale']}, zero advantage "
