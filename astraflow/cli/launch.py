@@ -28,12 +28,13 @@ FOLLOW_POLL_S = 2.0
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from astraflow.config.loader import load_config
+    from astraflow.config.loader import find_config, load_config
     from astraflow.config.rundir import RunDir
     from astraflow.slurm import jobs
     from astraflow.slurm.render import JobShape, render_hetjob
     from astraflow.slurm.site import load_site, site_path
 
+    args.config = str(find_config(args.config))  # the job script names the file itself
     site = load_site(args.site)
     partitions = [p.strip() for p in args.partitions.split(",")]
     cfg = load_config(args.config, args.set)

@@ -31,8 +31,22 @@ class ConfigError(ValueError):
     """A configuration problem, already phrased for the user."""
 
 
+PACKAGED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # package data (the repository's configs/)
+
+
+def find_config(path: str | Path) -> Path:
+    """`path` if it exists; else the packaged config of that name (`quickstart`,
+    `quickstart.yaml`, `configs/quickstart.yaml` from another directory or a non-editable
+    install); else `path` (reading it then names it)."""
+    path = Path(path)
+    if path.exists():
+        return path
+    packaged = PACKAGED_CONFIGS / (path.name if path.suffix else f"{path.name}.yaml")
+    return packaged if packaged.is_file() else path
+
+
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
-    return load_typed(Config, path, overrides)
+    return load_typed(Config, find_config(path), overrides)
 
 
 def parse_config(text: str, source: str = "<config>", overrides: Iterable[str] = ()) -> Config:

@@ -13,7 +13,7 @@ from pathlib import Path
 from astraflow.config.loader import load_typed
 from astraflow.config.schema import choice
 
-SITES_DIR = Path(__file__).resolve().parents[2] / "launchers"
+SITES_DIR = Path(__file__).resolve().parents[1] / "launchers"  # package data: found from any install
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class SiteProfile:
 
 
 def site_path(site: str | None) -> Path:
-    """A profile by path, or by name from launchers/ (`local` when none is given)."""
+    """A profile by path, or by name from the package's launchers/ (`local` when none is
+    given; the repository's top-level launchers/ is a link to it)."""
     if site and (site.endswith((".yaml", ".yml")) or "/" in site):
         return Path(site)
     return SITES_DIR / f"{site or 'local'}.yaml"
