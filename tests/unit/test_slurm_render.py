@@ -68,7 +68,8 @@ def test_golden_hetjob_in_an_apptainer_container():
     with pytest.raises(ConfigError, match="container: apptainer needs container_image"):
         container_exec(replace(site, container_image=""))
     pyxis = replace(site, container="pyxis")
-    assert container_exec(pyxis) == [] and srun_container_args(pyxis)[0] == "--container-image=/shared/images/astraflow.sif"
+    assert container_exec(pyxis) == []
+    assert srun_container_args(pyxis)[0] == "--container-image=/shared/images/astraflow.sif"
 
 
 def test_a_double_quote_in_an_sbatch_value_is_rejected():
