@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import BinaryIO
 
 import yaml
 
@@ -25,6 +26,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the curve to `out` (default: RUN_DIR/curve.png); returns where."""
     run_dir = existing_run(run_dir)
     out = Path(out) if out is not None else run_dir / DEFAULT_NAME
+    save_curve(run_dir, out)
+    return out
+
+
+def save_curve(run_dir: Path, out: str | Path | BinaryIO) -> None:
+    """Draw the curve into `out`: a path or a binary file (the HTML report inlines it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,17 +51,18 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if evals.exists():
         e = json.loads(evals.read_text())  # no accuracies when there were no held-out prompts (`eval_skipped`)
         if "eval_accuracy_base" in e:
-            ax.axhline(e["eval_accuracy_base"], ls=":", c="gray", label=f"held-out, start: {e['eval_accuracy_base']:.2f}")
+            base = e["eval_accuracy_base"]
+            ax.axhline(base, ls=":", c="gray", label=f"held-out, start: {base:.2f}")
         if "eval_accuracy" in e:
             ax.axhline(e["eval_accuracy"], ls="--", c="black", label=f"held-out, end: {e['eval_accuracy']:.2f}")
     ax.set_xlabel("seconds since the first training step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(0, 1.02)  # a held-out accuracy of 1.0 stays visible
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    if ax.get_legend_handles_labels()[0]:  # nothing to label before the first step
+        ax.legend(fontsize=8, loc="upper left")
     name = yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["name"]
     ax.set_title(f"{name}: {run_dir.name}")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
-    return Path(out)

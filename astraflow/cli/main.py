@@ -187,6 +187,13 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from astraflow.analysis.report import write_report
+
+    print(write_report(args.run_dir, args.out))
+    return 0
+
+
 def _bench_elastic(args: argparse.Namespace) -> int:
     from astraflow.bench.elastic import run_bench
 
@@ -379,6 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", action="store_true", help="add the prompt and completion decoded by the run's tokenizer")
     p.add_argument("-o", "--out", help="the file to write (default: RUN_DIR/trajectories.FORMAT)")
     p.set_defaults(fn=_export)
+
+    p = sub.add_parser("report", help="one self-contained HTML page of a run: curves, counts, lag, workers, samples")
+    add_run_dir(p)
+    p.add_argument("-o", "--out", help="the HTML file to write (default: RUN_DIR/report.html)")
+    p.set_defaults(fn=_report)
 
     p = sub.add_parser("bench", help="benchmarks (print JSON)")
     bsub = p.add_subparsers(dest="bench", required=True)

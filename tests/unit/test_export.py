@@ -11,43 +11,11 @@ import pandas as pd
 import pytest
 
 from astraflow.cli.main import main
-from astraflow.models.factory import make_model
-from astraflow.models.tokenizer import load_hf_tokenizer
 from astraflow.store.reader import iter_trajectories, load_rows, load_trajectory
-from astraflow.store.shards import ShardStore
-from astraflow.store.writer import RowBatch, StoreOptions
-from tests.conftest import make_run, trained_run_dir
-
-EPISODES = [("Anna has 12 pencils. How many? ", "\\boxed{7}", 1.0), ("She gives 5 to Tom. ", "\\boxed{5}", 0.0)]
-
-
-def run_with_text(tmp_path):
-    """A run whose model directory (char tokenizer) encoded the stored tokens."""
-    run = make_run(tmp_path)
-    tok = load_hf_tokenizer(make_model("qwen2.5", "tiny", run.path / "model", tokenizer="char",
-                                       corpus=[p + c for p, c, _ in EPISODES] * 10))
-    prompts = [tok.encode(p, add_special_tokens=False) for p, _, _ in EPISODES]
-    answers = [tok.encode(c, add_special_tokens=False) for _, c, _ in EPISODES]
-    tokens = np.concatenate([p + a for p, a in zip(prompts, answers)]).astype(np.int32)
-    mask = np.concatenate([[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers)]).astype(np.uint8)
-    n = len(EPISODES)
-    rows = {"sample_id": np.arange(n), "task_id": np.arange(n), "episode_id": np.arange(n), "group_id": np.arange(n),
-            "policy": np.zeros(n, np.uint8), "worker": np.array([b"w0"] * n, "S64"),
-            "length": np.array([len(p) + len(a) for p, a in zip(prompts, answers)], np.int32),
-            "reward": np.array([r for _, _, r in EPISODES], np.float32), "guided": np.zeros(n, np.uint8),
-            "weight": np.ones(n, np.float32), "gen_s": np.full(n, 0.5, np.float32), "t_commit": np.full(n, 1e9),
-            "version_min": np.zeros(n, np.int32), "version_max": np.zeros(n, np.int32),
-            "version_at_commit": np.full(n, -1, np.int32)}
-    data = {"tokens": tokens, "logprobs": np.zeros(len(tokens), np.float32), "loss_mask": mask,
-            "versions": np.where(mask == 1, 0, -1).astype(np.int32), "token_policy": (mask.astype(np.int8) - 1)}
-    store = ShardStore(run.path / "shards", ("policy",), StoreOptions())
-    store.append(RowBatch(data, rows, [json.dumps({"answer": c}).encode() for _, c, _ in EPISODES]))
-    store.close()
-    return run.path
-
+from tests.conftest import EPISODES, text_run_dir, trained_run_dir
 
 def test_export_text_reads_back_with_pandas_alone(tmp_path, capsys):
-    run = run_with_text(tmp_path)
+    run = text_run_dir(tmp_path)
     assert main(["export", str(run), "--format", "parquet", "--text"]) == 0
     out = run / "trajectories.parquet"
     assert capsys.readouterr().out.strip() == str(out)
