@@ -148,6 +148,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from astraflow.analysis.sinks import record_eval
     from astraflow.config.rundir import RunDir
     from astraflow.rollout.evaluate import evaluate_run
 
@@ -155,6 +156,7 @@ def _eval(args: argparse.Namespace) -> int:
         os.nice(19)  # it imports beside a starting job: it must not slow the components
     out = evaluate_run(RunDir.open(args.run_dir), sys.stdin.read if args.after_stdin else lambda: None)
     (Path(args.run_dir) / "eval.json").write_text(json.dumps(out, indent=2))  # engines may print to stdout
+    record_eval(Path(args.run_dir), out)
     print(json.dumps(out))
     _exit_now(0)
 
