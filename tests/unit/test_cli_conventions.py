@@ -70,3 +70,9 @@ def test_verbose_is_astraflow_debug_not_h5py(tmp_path):
     out = cli("-v", "inspect", str(run))
     assert out.returncode == 0, out.stderr
     assert "DEBUG h5py" not in out.stderr
+
+
+def test_run_takes_an_existing_run_directory_as_its_positional(tmp_path, capsys):
+    run = trained_run_dir(tmp_path)
+    assert main(["run", str(run), "--run-dir", str(tmp_path / "other")]) == 2
+    assert "two run directories given" in capsys.readouterr().err
