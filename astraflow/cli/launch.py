@@ -56,6 +56,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 def _follow(run, job_id: str) -> int:
     from astraflow.launch.progress import Progress
+    from astraflow.launch.summary import format_summary
     from astraflow.slurm import jobs
 
     progress = Progress(run, quiet=False)
@@ -72,8 +73,7 @@ def _follow(run, job_id: str) -> int:
     if not summary.exists():
         print(f"job {job_id} ended without a summary; see {run.path / 'logs'}", file=sys.stderr)
         return 1
-    data = json.loads(summary.read_text())
-    print(json.dumps({k: data.get(k) for k in ("steps", "reward_first", "reward_last", "eval_accuracy", "wall_s")}))
+    print(format_summary({**json.loads(summary.read_text()), "run_dir": str(run.path)}))
     return 0
 
 
