@@ -2,7 +2,8 @@
 
 What a person asks of a finished (or live) run, from its own files: the training curve and
 held-out accuracy per policy, the counts of what was stored, trained, dropped (stale),
-filtered (zero advantage) and left unused, the version lag, throughput per worker, the
+filtered (zero advantage) and left unused, the version lag, throughput per partition and
+per worker (partitions from the workers' registrations in the journal), the
 slowest episodes, sample completions with their rewards, and the config. Images are PNGs
 inlined as data: URIs and the style is inline, so the page needs no network and no other
 file (mail it, attach it to a ticket). Everything shown is escaped.
@@ -19,6 +20,7 @@ from typing import Any, Iterable
 from astraflow.analysis.inspect import inspect_run
 from astraflow.analysis.plot import save_curve
 from astraflow.config.rundir import RunDir, existing_run
+from astraflow.store.journal import replay
 from astraflow.store.reader import load_rows, load_trajectory
 
 DEFAULT_NAME = "report.html"
@@ -52,7 +54,7 @@ def render_report(run_dir: Path) -> str:
              "<h2>Results per policy</h2>", _results(run, facts, summary, evals),
              "<h2>What happened to the samples</h2>", _counts(facts, summary),
              "<h2>Version lag</h2>", _lag(facts),
-             "<h2>Throughput per worker</h2>", _workers(rows),
+             "<h2>Throughput per partition and worker</h2>", _workers(run_dir, rows),
              "<h2>Slowest episodes</h2>", _slowest(rows),
              "<h2>Sample completions</h2>", _samples(run, rows),
              "<h2>Config</h2>", f"<pre>{_e((run_dir / 'config.yaml').read_text())}</pre>"]
@@ -120,15 +122,33 @@ def _lag(facts: dict) -> str:
             + _table(["policy", "lag", "trajectories"], body))
 
 
-def _workers(rows: Any) -> str:
+def _registered(run_dir: Path) -> dict[str, dict]:
+    """worker id -> its last `register` event in the journal (partition, hardware, host)."""
+    return {ev["worker"]: ev for ev in replay(run_dir / "journal") if ev.get("ev") == "register" and "worker" in ev}
+
+
+def _rates(groups: Any) -> list[list[Any]]:
+    """Per group of rows: trajectories, tokens, tokens/s over the group's span of commits."""
+    out = []
+    for key, g in groups:
+        span = float(g["t_commit"].max() - g["t_commit"].min())
+        out.append([key, len(g), int(g["length"].sum()), _num(g["length"].sum() / span if span else None, ".0f"),
+                    _num(g["gen_s"].mean(), ".2f")])
+    return out
+
+
+def _workers(run_dir: Path, rows: Any) -> str:
     if not len(rows):
         return "<p>No trajectories.</p>"
-    body = []
-    for worker, g in rows.groupby("worker"):
-        span = float(g["t_commit"].max() - g["t_commit"].min())
-        body.append([worker, len(g), int(g["length"].sum()), _num(g["length"].sum() / span if span else None, ".0f"),
-                     _num(g["gen_s"].mean(), ".2f")])
-    return _table(["worker", "trajectories", "tokens", "tokens/s while active", "mean generation s"], body)
+    registered = _registered(run_dir)
+    rows = rows.assign(partition=[registered.get(w, {}).get("partition") or "local" for w in rows["worker"]])
+    columns = ["trajectories", "tokens", "tokens/s while active", "mean generation s"]
+    workers = _rates(rows.groupby("worker"))
+    for r in workers:
+        r.insert(1, registered.get(r[0], {}).get("partition") or "local")
+        r.insert(2, registered.get(r[0], {}).get("hardware", ""))
+    return (_table(["partition", *columns], _rates(rows.groupby("partition")))
+            + _table(["worker", "partition", "hardware", *columns], workers))
 
 
 def _slowest(rows: Any) -> str:

@@ -9,10 +9,11 @@ import base64
 from html.parser import HTMLParser
 
 from astraflow.cli.main import main
+from astraflow.store.journal import Journal
 from tests.conftest import EPISODES, text_run_dir, trained_run_dir
 
 SECTIONS = ["Training curve", "Results per policy", "What happened to the samples", "Version lag",
-            "Throughput per worker", "Slowest episodes", "Sample completions", "Config"]
+            "Throughput per partition and worker", "Slowest episodes", "Sample completions", "Config"]
 VOID = {"meta", "img", "br", "hr", "link"}
 
 
@@ -56,6 +57,9 @@ def parse(path) -> Page:
 
 def test_the_report_is_one_self_contained_page_with_every_section(tmp_path, capsys):
     run = text_run_dir(tmp_path)
+    journal = Journal(run / "journal")  # the worker's registration, as the rank journals it
+    journal.append("register", base="w", k=0, worker="w<0>&", partition="gpu-a100", hardware="cpu")
+    journal.close()
     assert main(["report", str(run)]) == 0
     out = run / "report.html"
     assert capsys.readouterr().out.strip() == str(out)
@@ -69,6 +73,7 @@ def test_the_report_is_one_self_contained_page_with_every_section(tmp_path, caps
         assert prompt + completion in text  # decoded by the run's tokenizer
     assert "w<0>&" in text and "w<0>&" not in out.read_text()  # escaped markup
     assert "max_staleness: 2" in text  # the config
+    assert "gpu-a100" in text  # throughput per partition
 
 
 def test_a_run_without_a_tokenizer_or_summary_still_reports(tmp_path):
