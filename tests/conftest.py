@@ -208,6 +208,42 @@ def trained_run_dir(tmp_path: Path, killed: bool = False, steps: int = 2) -> Pat
     return run.path
 
 
+# (prompt, completion, reward) of `text_run_dir`
+EPISODES = [("Anna has 12 pencils. How many? ", "\\boxed{7}", 1.0), ("She gives 5 to Tom. ", "\\boxed{5}", 0.0)]
+
+
+def text_run_dir(tmp_path: Path) -> Path:
+    """A run of two stored episodes whose model directory (a char tokenizer) encoded their
+    tokens: prompt and completion decode back to `EPISODES`."""
+    from astraflow.models.factory import make_model
+    from astraflow.models.tokenizer import load_hf_tokenizer
+    from astraflow.store.shards import ShardStore
+    from astraflow.store.writer import StoreOptions
+
+    run = make_run(tmp_path)
+    tok = load_hf_tokenizer(make_model("qwen2.5", "tiny", run.path / "model", tokenizer="char",
+                                       corpus=[p + c for p, c, _ in EPISODES] * 10))
+    prompts = [tok.encode(p, add_special_tokens=False) for p, _, _ in EPISODES]
+    answers = [tok.encode(c, add_special_tokens=False) for _, c, _ in EPISODES]
+    tokens = np.concatenate([p + a for p, a in zip(prompts, answers)]).astype(np.int32)
+    mask = np.concatenate([[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers)]).astype(np.uint8)
+    n = len(EPISODES)
+    rows = {"sample_id": np.arange(n), "task_id": np.arange(n), "episode_id": np.arange(n), "group_id": np.arange(n),
+            "policy": np.zeros(n, np.uint8),
+            "worker": np.array([b"w<0>&"] * n, "S64"),  # markup: a report must escape it
+            "length": np.array([len(p) + len(a) for p, a in zip(prompts, answers)], np.int32),
+            "reward": np.array([r for _, _, r in EPISODES], np.float32), "guided": np.zeros(n, np.uint8),
+            "weight": np.ones(n, np.float32), "gen_s": np.full(n, 0.5, np.float32), "t_commit": np.full(n, 1e9),
+            "version_min": np.zeros(n, np.int32), "version_max": np.zeros(n, np.int32),
+            "version_at_commit": np.full(n, -1, np.int32)}
+    data = {"tokens": tokens, "logprobs": np.zeros(len(tokens), np.float32), "loss_mask": mask,
+            "versions": np.where(mask == 1, 0, -1).astype(np.int32), "token_policy": (mask.astype(np.int8) - 1)}
+    store = ShardStore(run.path / "shards", ("policy",), StoreOptions())
+    store.append(RowBatch(data, rows, [json.dumps({"answer": c}).encode() for _, c, _ in EPISODES]))
+    store.close()
+    return run.path
+
+
 @pytest.fixture
 def trained_run(tmp_path: Path) -> Path:
     return trained_run_dir(tmp_path)

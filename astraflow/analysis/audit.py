@@ -23,6 +23,7 @@ import numpy as np
 
 from astraflow.analysis.ledgers import agree, cross_check, read_ledgers
 from astraflow.store.errors import StoreRefused
+from astraflow.config.rundir import existing_run
 from astraflow.store.journal import replay
 from astraflow.store.reader import ShardCorrupt, ShardReader, load_rows
 
@@ -55,7 +56,7 @@ def lineage(run_dir: Path) -> dict[tuple[str, int], dict]:
 
 
 def audit(run_dir: str | Path) -> dict:
-    run_dir = Path(run_dir)
+    run_dir = existing_run(run_dir, "shards")
     trainer_ledgers, acks = read_ledgers(run_dir)  # before the journal and the shards: see ledgers.py
     df = load_rows(run_dir, verify=True)  # a shard whose data cannot be found has lost it
     commits = df.groupby(["task_id", "worker", "t_commit"]).size().groupby("task_id").size()
@@ -114,10 +115,12 @@ def audit(run_dir: str | Path) -> dict:
 def format_audit(report: dict) -> str:
     verdict = "ok" if report["ok"] else "NOT OK"
     lines = [f"audit: {verdict}",
-             f"  tasks committed {report['tasks']}, trajectories {report['committed']}, trained {report['trained']}",
+             f"  tasks committed {report['tasks']}, trajectories {report['committed']}, trained "
+             + (", ".join(f"{p}: {n}" for p, n in report["trained"].items()) or "none"),
              f"  duplicates {report['duplicates']}, lost {report['lost']}, regenerated {report['regenerated']}, "
              f"trained twice {report['trained_twice']}, quarantined shards {report['quarantined_shards']}"]
-    lines += [f"  {k}: {v}" for k, v in report["examples"].items() if v]
+    lines += [f"  {k.replace('_', ' ')} (first {len(v)}): {', '.join(map(str, v))}"
+              for k, v in report["examples"].items() if v]
     lines += [f"  unreadable shard: {s}" for s in report["unreadable_shards"]]
     lines += [f"  torn tail ignored: {n} rows of {s}" for s, n in report["torn_rows"].items()]
     led = report["ledgers"]
@@ -127,5 +130,6 @@ def format_audit(report: dict) -> str:
                      f"{led['steps_missing_from_ledger']} journalled but not in the ledger, {led['trained_twice']} "
                      f"samples trained twice); {led['acked_commits']} acknowledged commits "
                      f"({led['acked_not_stored']} samples not stored)")
-        lines += [f"    {k}: {v}" for k, v in led["examples"].items() if v]
+        lines += [f"    {k.replace('_', ' ')}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
+                  for k, v in led["examples"].items() if v]
     return "\n".join(lines)

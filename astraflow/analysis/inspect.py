@@ -3,7 +3,9 @@
 Reads the shards (SWMR) and the journal, so it works on a finished or crashed run too; when
 the run's dataflow rank answers, its `status` document (same schema as `Status`) is added
 under `live`. The version lag of a trajectory is the latest published version
-of its policy when it was stored minus the oldest version that generated its tokens. Reward
+of its policy when it was stored minus the oldest version that generated its tokens; one
+stored before the policy's first publish has none (`version_at_commit` -1) and is counted
+apart (`before_first_publish`). Reward
 means and spreads weigh each sample by its `weight` column (prompt selection), so they are
 over the prompt set, as the training reward is.
 """
@@ -14,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from astraflow.config.rundir import existing_run
 from astraflow.store.journal import replay
 from astraflow.store.reader import iter_shards, load_rows
+from astraflow.store.schema import VERSION_NONE
 
 TIMELINE_BUCKETS = 10
 
@@ -44,7 +48,7 @@ def live_status(run_dir: Path) -> dict[str, Any] | None:
 
 
 def inspect_run(run_dir: str | Path, live: bool = True) -> dict[str, Any]:
-    run_dir = Path(run_dir)
+    run_dir = existing_run(run_dir, "shards")
     df = load_rows(run_dir)
     consumed: dict[str, int] = {}
     steps: dict[str, int] = {}
@@ -68,7 +72,8 @@ def inspect_run(run_dir: str | Path, live: bool = True) -> dict[str, Any]:
     t0, t1 = float(df["t_commit"].min()), float(df["t_commit"].max())
     edges = np.linspace(t0, t1 + 1e-9, TIMELINE_BUCKETS + 1)
     for policy, g in df.groupby("policy"):
-        lag = (g["version_at_commit"] - g["version_min"]).clip(lower=0)
+        known = g["version_at_commit"] != VERSION_NONE  # stored before any version was published: no lag
+        lag = g["version_at_commit"][known] - g["version_min"][known]
         bucket = np.clip(np.digitize(g["t_commit"], edges) - 1, 0, TIMELINE_BUCKETS - 1)
         sampled = g["guided"] == 0  # rewards are of what the policy generated, not of guided records
         timeline = []
@@ -83,6 +88,7 @@ def inspect_run(run_dir: str | Path, live: bool = True) -> dict[str, Any]:
             "reward_mean": _reward_mean(g[sampled]),
             "reward_std": _reward_std(g[sampled]),
             "version_lag": {str(k): int(v) for k, v in lag.value_counts().sort_index().items()},
+            "before_first_publish": int((~known).sum()),
             "per_worker": {str(k): int(v) for k, v in g["worker"].value_counts().items()},
             "consumed": consumed.get(policy, 0),
             "trainer_step": steps.get(policy, 0),
@@ -98,6 +104,10 @@ def _reward_mean(rows: Any) -> float:
 
 def _reward_std(rows: Any) -> float:
     return float(np.sqrt(np.average((rows["reward"] - _reward_mean(rows)) ** 2, weights=rows["weight"])))
+
+
+def _reward(mean: float | None) -> str:
+    return "-" if mean is None else f"{mean:.2f}"
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -118,9 +128,14 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"policy {policy}: {p['trajectories']} trajectories{guided}, {p['tokens']} tokens, "
                      f"reward {p['reward_mean']:.3f} ± {p['reward_std']:.3f}, consumed {p['consumed']} "
                      f"(trainer step {p['trainer_step']})")
-        lines.append("  version lag: " + ", ".join(f"{k}: {v}" for k, v in p["version_lag"].items()))
+        unpublished = p.get("before_first_publish", 0)
+        lines.append("  version lag (versions behind the latest published at commit: trajectories): "
+                     + (", ".join(f"{k}: {v}" for k, v in p["version_lag"].items()) or "none")
+                     + (f"; before the first publish: {unpublished}" if unpublished else ""))
         top = list(p["per_worker"].items())
         more = f" (+{len(top) - 8} more)" if len(top) > 8 else ""
         lines.append(f"  per worker ({len(top)}): " + ", ".join(f"{k}: {v}" for k, v in top[:8]) + more)
-        lines.append("  timeline: " + " ".join(str(b["trajectories"]) for b in p["timeline"]))
+        lines.append(f"  timeline (trajectories and their mean reward per tenth of the run, from its first "
+                     f"commit): " + ", ".join(f"{b['t_s']:.0f}s {b['trajectories']} ({_reward(b['reward_mean'])})"
+                                              for b in p["timeline"]))
     return "\n".join(lines)

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from astraflow.cli.args import add_run_dir, add_version, resolve_run_dir
 from astraflow.config.loader import ConfigError
 
 SUBCOMMANDS = ("submit", "scale", "status")
@@ -27,12 +28,13 @@ FOLLOW_POLL_S = 2.0
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from astraflow.config.loader import load_config
+    from astraflow.config.loader import find_config, load_config
     from astraflow.config.rundir import RunDir
     from astraflow.slurm import jobs
     from astraflow.slurm.render import JobShape, render_hetjob
     from astraflow.slurm.site import load_site, site_path
 
+    args.config = str(find_config(args.config))  # the job script names the file itself
     site = load_site(args.site)
     partitions = [p.strip() for p in args.partitions.split(",")]
     cfg = load_config(args.config, args.set)
@@ -54,6 +56,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 def _follow(run, job_id: str) -> int:
     from astraflow.launch.progress import Progress
+    from astraflow.launch.summary import format_summary
     from astraflow.slurm import jobs
 
     progress = Progress(run, quiet=False)
@@ -70,8 +73,7 @@ def _follow(run, job_id: str) -> int:
     if not summary.exists():
         print(f"job {job_id} ended without a summary; see {run.path / 'logs'}", file=sys.stderr)
         return 1
-    data = json.loads(summary.read_text())
-    print(json.dumps({k: data.get(k) for k in ("steps", "reward_first", "reward_last", "eval_accuracy", "wall_s")}))
+    print(format_summary({**json.loads(summary.read_text()), "run_dir": str(run.path)}))
     return 0
 
 
@@ -113,20 +115,25 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="astraflow-launch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="astraflow-launch", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("submit", help="render and submit the heterogeneous job (default)")
+    p = sub.add_parser("submit", help="render and submit the heterogeneous job (the default: `astraflow-launch "
+                                      "--partitions ...` is `astraflow-launch submit --partitions ...`)")
     p.add_argument("--config", default="configs/quickstart.yaml", help="run config (default: %(default)s)")
     p.add_argument("--partitions", required=True, help="TRAINER,ROLLOUT[,DATAFLOW] partitions")
     p.add_argument("--site", help="site profile: a name in launchers/ or a path (default: local)")
     p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, repeatable")
     p.add_argument("--dry-run", action="store_true", help="print the job script, submit nothing")
     p.add_argument("--detach", action="store_true", help="do not follow the run after submitting")
     p.set_defaults(fn=_submit)
+    # `astraflow-launch --help` shows the default subcommand's options too (the README's flags)
+    parser.epilog = "submit, the default subcommand:\n" + p.format_help()
 
     p = sub.add_parser("scale", help="grow or shrink a running job's rollout pool")
-    p.add_argument("run_dir")
+    add_run_dir(p)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--add", type=int, metavar="N", help="submit a rollout array of N tasks")
     what.add_argument("--remove", type=int, metavar="N", help="drain N array workers and cancel their tasks")
@@ -136,17 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_scale)
 
     p = sub.add_parser("status", help="the run's Slurm jobs, workers and throughput per partition")
-    p.add_argument("run_dir")
-    p.add_argument("--json", action="store_true")
+    add_run_dir(p)
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(fn=_status)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in (*SUBCOMMANDS, "-h", "--help"):
+    if not argv or argv[0] not in (*SUBCOMMANDS, "-h", "--help", "--version"):
         argv.insert(0, "submit")
     args = build_parser().parse_args(argv)
+    resolve_run_dir(args)
     try:
         return args.fn(args)
     except ConfigError as e:

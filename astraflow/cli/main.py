@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from astraflow.cli.args import add_run_dir, add_version, resolve_run_dir
 from astraflow.config.loader import ConfigError
+from astraflow.config.rundir import NoRunDir
 
 
 def _dataflow(args: argparse.Namespace) -> int:
@@ -146,6 +148,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from astraflow.analysis.sinks import record_eval
     from astraflow.config.rundir import RunDir
     from astraflow.rollout.evaluate import evaluate_run
 
@@ -153,15 +156,22 @@ def _eval(args: argparse.Namespace) -> int:
         os.nice(19)  # it imports beside a starting job: it must not slow the components
     out = evaluate_run(RunDir.open(args.run_dir), sys.stdin.read if args.after_stdin else lambda: None)
     (Path(args.run_dir) / "eval.json").write_text(json.dumps(out, indent=2))  # engines may print to stdout
+    record_eval(Path(args.run_dir), out)
     print(json.dumps(out))
     _exit_now(0)
 
 
 def _run(args: argparse.Namespace) -> int:
     from astraflow.launch.local import run_local
+    from astraflow.launch.summary import format_summary
 
-    summary = run_local(args.config, args.run_dir, args.set, quiet=args.quiet)
-    print(json.dumps(summary, indent=2))
+    config, run_dir = args.config, args.run_dir
+    if config and Path(config).is_dir():  # `astraflow run RUN_DIR`: resume it
+        if run_dir and Path(run_dir) != Path(config):
+            raise ConfigError(f"two run directories given: {config} and --run-dir {run_dir}; give one")
+        config, run_dir = None, config
+    summary = run_local(config, run_dir, args.set, quiet=args.quiet)
+    print(json.dumps(summary) if args.json else format_summary(summary))
     return 0
 
 
@@ -169,6 +179,20 @@ def _plot(args: argparse.Namespace) -> int:
     from astraflow.analysis.plot import plot_run
 
     print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from astraflow.analysis.export import export_run
+
+    print(export_run(args.run_dir, args.format, args.out, text=args.text))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from astraflow.analysis.report import write_report
+
+    print(write_report(args.run_dir, args.out))
     return 0
 
 
@@ -240,24 +264,31 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def env_server_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=0, help="0: any free port (printed on the first stdout line)")
-    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--max-turns", type=int, default=3, help="steps of an episode before it ends (default: %(default)s)")
     p.add_argument("--latency-median-s", type=float, default=0.0, help="per step, lognormal")
-    p.add_argument("--latency-p99-s", type=float, default=2.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--latency-p99-s", type=float, default=2.0,
+                   help="99th percentile of the per-step latency, lognormal (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the latencies and the environments' tasks")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run-dir", required=True, help="the run directory (created if absent)")
-    p.add_argument("--config", help="YAML config (needed only to create a new run directory)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (on an existing run: runtime-changeable keys only)")
+    add_run_dir(p, "the run directory, created if absent (as RUN_DIR or --run-dir RUN_DIR)")
+    p.add_argument("--config", help="YAML config: creates a new run directory; with an existing one it must be "
+                                     "that run's config (else refused: resume without it)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+
+
+JSON_HELP = "print the report as JSON"
+SET_HELP = ("override a config key, repeatable (e.g. trainer.steps=30; policies.NAME.KEY=VALUE); on an existing "
+            "run only runtime-changeable keys (docs/configuration.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="astraflow", description="Dataflow-oriented RL for agentic LLMs.")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    add_version(parser)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging of AstraFlow's own modules")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("dataflow", help="run the dataflow rank (tasks, leases, buffers, HDF5 store)")
@@ -266,10 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_dataflow)
 
     p = sub.add_parser("run", help="run every component locally, supervised (the embedded default)")
-    p.add_argument("config", nargs="?", help="YAML config (omit with --run-dir to resume a run)")
+    p.add_argument("config", nargs="?", metavar="CONFIG|RUN_DIR",
+                   help="a YAML config (a path, or the name of a packaged one: quickstart, math_chat, multi_policy) "
+                        "for a new run; or an existing run directory to resume it. With an existing --run-dir a "
+                        "config that differs from the run's is refused, naming the keys (runtime keys change with "
+                        "--set)")
     p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>; existing: resume)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+    p.add_argument("--quiet", action="store_true", help="no progress output (on a terminal a line redrawn every "
+                                                        "second, otherwise a line every 10 s)")
+    p.add_argument("--json", action="store_true", help="end with RUN_DIR/summary.json as one line of JSON instead of "
+                                                       "a short summary")
     p.set_defaults(fn=_run)
 
     p = sub.add_parser("rollout", help="run a rollout worker")
@@ -283,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_rollout)
 
     p = sub.add_parser("train", help="run the trainer of one policy")
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--policy", required=True)
+    add_run_dir(p)
+    p.add_argument("--policy", required=True, help="the policy (a name under policies in the config) to train")
     p.set_defaults(fn=_train)
 
     p = sub.add_parser("node", help="one task of the heterogeneous Slurm step (started by srun in the job script)")
@@ -292,28 +330,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_node)
 
     p = sub.add_parser("status", help="a run's Slurm jobs, workers and throughput per partition")
-    p.add_argument("run_dir")
-    p.add_argument("--json", action="store_true")
+    add_run_dir(p)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(fn=_status)
 
     p = sub.add_parser("make-model", help="write a random-init HF model directory of a family, with a tokenizer "
                                           "trained locally (no downloads)")
-    p.add_argument("out_dir")
+    p.add_argument("out_dir", help="the directory to write (created)")
     p.add_argument("--like", default="qwen2.5", choices=("qwen2.5", "llama3", "qwen2", "llama"),
                    help="the family whose config fields, special tokens and chat template to use")
     p.add_argument("--size", default="tiny", help="tiny, small; the real shapes 0.5b, 1.5b (qwen2.5), 1b (llama3)")
     p.add_argument("--tokenizer", default="", choices=("", "bpe", "char"), help="default: the family's")
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
                    help="tie input and output embeddings (default: as the family at that size)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
     p.set_defaults(fn=_make_model)
 
     p = sub.add_parser("prepare", help="build and warm up a run's model (astraflow run does this)")
-    p.add_argument("--run-dir", required=True)
+    add_run_dir(p)
     p.set_defaults(fn=_prepare)
 
     p = sub.add_parser("eval", help="greedy held-out accuracy of the base and last published weights (eval.json)")
-    p.add_argument("--run-dir", required=True)
+    add_run_dir(p)
     p.add_argument("--after-stdin", action="store_true",
                    help="import the engine at once, score once stdin closes (the launcher's signal)")
     p.set_defaults(fn=_eval)
@@ -323,67 +361,84 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_env_server)
 
     p = sub.add_parser("inspect", help="summarise a run's HDF5 trajectory shards (works on a live run)")
-    p.add_argument("run_dir")
-    p.add_argument("--json", action="store_true")
+    add_run_dir(p)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(fn=_inspect)
 
     p = sub.add_parser("answers", help="mean reward per reference answer over versions, from a run's shards")
-    p.add_argument("run_dir")
+    add_run_dir(p)
     p.add_argument("--buckets", type=int, default=5, help="version ranges (default 5)")
     p.add_argument("--top", type=int, default=40, help="show the N answers with most samples (default 40)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(fn=_answers)
 
     p = sub.add_parser("audit", help="check a run's exactly-once promises from its shards and journal (exit 1 if not)")
-    p.add_argument("run_dir")
-    p.add_argument("--json", action="store_true")
+    add_run_dir(p)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(fn=_audit)
 
     p = sub.add_parser("plot", help="plot a run's training curve (PNG) from its metrics")
-    p.add_argument("run_dir")
-    p.add_argument("-o", "--out", default="curve.png")
+    add_run_dir(p)
+    p.add_argument("-o", "--out", help="the PNG to write (default: RUN_DIR/curve.png, inside the run directory)")
     p.set_defaults(fn=_plot)
+
+    p = sub.add_parser("export", help="a run's trajectories as one Parquet or JSONL file (pandas, DuckDB, datasets)")
+    add_run_dir(p)
+    p.add_argument("--format", choices=("parquet", "jsonl"), default="parquet", help="default: %(default)s")
+    p.add_argument("--text", action="store_true", help="add the prompt and completion decoded by the run's tokenizer")
+    p.add_argument("-o", "--out", help="the file to write (default: RUN_DIR/trajectories.FORMAT)")
+    p.set_defaults(fn=_export)
+
+    p = sub.add_parser("report", help="one self-contained HTML page of a run: curves, counts, lag, workers, samples")
+    add_run_dir(p)
+    p.add_argument("-o", "--out", help="the HTML file to write (default: RUN_DIR/report.html)")
+    p.set_defaults(fn=_report)
 
     p = sub.add_parser("bench", help="benchmarks (print JSON)")
     bsub = p.add_subparsers(dest="bench", required=True)
     b = bsub.add_parser("dataflow", help="commit/serve throughput of the dataflow rank over the real protocol")
-    b.add_argument("--workers", type=int, default=8)
-    b.add_argument("--clients-per-process", type=int, default=8)
-    b.add_argument("--seconds", type=float, default=20.0)
-    b.add_argument("--tokens", type=int, default=1024)
-    b.add_argument("--compression", choices=("none", "lzf", "gzip"), default="none")
+    b.add_argument("--workers", type=int, default=8, help="worker processes committing (default: %(default)s)")
+    b.add_argument("--clients-per-process", type=int, default=8,
+                   help="concurrent clients in each worker process (default: %(default)s)")
+    b.add_argument("--seconds", type=float, default=20.0, help="measured seconds (default: %(default)s)")
+    b.add_argument("--tokens", type=int, default=1024, help="tokens per trajectory (default: %(default)s)")
+    b.add_argument("--compression", choices=("none", "lzf", "gzip"), default="none",
+                   help="shard compression (default: %(default)s)")
     b.add_argument("--run-dir", help="keep the run here (default: a temporary directory)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench)
     b = bsub.add_parser("rollout", help="tokens/s of the vllm and hf engines on the same tiny and small models")
-    b.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=("hf", "vllm"))
-    b.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=("tiny", "small"))
-    b.add_argument("--max-tokens", type=int, default=32)
+    b.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=("hf", "vllm"),
+                   help="engines to measure (default: both)")
+    b.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=("tiny", "small"),
+                   help="model sizes to measure (default: both)")
+    b.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (default: %(default)s)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_rollout)
 
     b = bsub.add_parser("elastic", help="seconds for a rollout array to join a running Slurm job")
-    b.add_argument("--config", default="configs/quickstart.yaml")
+    b.add_argument("--config", default="configs/quickstart.yaml", help="run config (default: %(default)s)")
     b.add_argument("--partitions", default="gpu-h100,gpu-a100", help="the job's TRAINER,ROLLOUT[,DATAFLOW]")
     b.add_argument("--array-partition", default="gpu-h100", help="where the added workers go")
-    b.add_argument("--engine", default="hf", choices=("hf", "vllm"))
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--engine", default="hf", choices=("hf", "vllm"),
+                   help="the rollout engine of the added workers (default: %(default)s)")
+    b.add_argument("--repeats", type=int, default=3, help="joins measured (default: %(default)s)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_elastic)
 
     b = bsub.add_parser("fuzz", help="hostile messages against a live dataflow rank while a correct client works")
-    b.add_argument("--seconds", type=float, default=60.0)
-    b.add_argument("--max-messages", type=int, default=10**9)
+    b.add_argument("--seconds", type=float, default=60.0, help="seconds to fuzz (default: %(default)s)")
+    b.add_argument("--max-messages", type=int, default=10**9, help="stop after this many hostile messages")
     b.add_argument("--fuzzers", type=int, default=2, help="fuzzer processes (half of them hold the run secret)")
     b.add_argument("--flooders", type=int, default=0,
                    help="processes sending only frames just under the size limit, wrongly signed")
     b.add_argument("--max-message-mb", type=float, default=1.0, help="the rank's dataflow.max_message_mb")
-    b.add_argument("--seed", type=int)
+    b.add_argument("--seed", type=int, help="seed of the fuzzers (default: random, printed)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_fuzz)
 
     b = bsub.add_parser("multipolicy", help="seconds per iteration of co-training, async against sync schedule")
-    b.add_argument("--config", default="configs/multi_policy.yaml")
+    b.add_argument("--config", default="configs/multi_policy.yaml", help="run config (default: %(default)s)")
     b.add_argument("--steps", type=int, default=20, help="updates per policy in each mode")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for both modes")
     b.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed of each pair of runs (medians reported)")
@@ -392,8 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=_bench_multipolicy)
 
     b = bsub.add_parser("staleness", help="samples-to-target at the config's max_staleness against 0, over seeds")
-    b.add_argument("--config", default="configs/quickstart.yaml")
-    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    b.add_argument("--config", default="configs/quickstart.yaml", help="run config (default: %(default)s)")
+    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="run.seed of each run (default: %(default)s)")
     b.add_argument("--target", type=float, default=0.8, help="moving-average generated reward to reach")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     b.add_argument("--json", action="store_true", help="one line of JSON")
@@ -401,8 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = bsub.add_parser("learn", help="run a config over seeds: rewards, held-out scores, wall time (exit 1 if the "
                                       "medians miss the targets)")
-    b.add_argument("--config", default="configs/math_chat.yaml")
-    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    b.add_argument("--config", default="configs/math_chat.yaml", help="run config (default: %(default)s)")
+    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="run.seed of each run (default: %(default)s)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     b.add_argument("--first-at-most", type=float, default=0.3, help="generated reward over the first 10%% of steps")
     b.add_argument("--last-at-least", type=float, default=0.6, help="generated reward over the last 10%% of steps")
@@ -415,13 +472,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
+    resolve_run_dir(args)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
+    if args.verbose:  # AstraFlow's modules only: libraries' debug output (h5py: a line per type conversion) is noise
+        logging.getLogger("astraflow").setLevel(logging.DEBUG)
     try:
-        return args.fn(args)
-    except ConfigError as e:
-        print(f"astraflow: config error: {e}", file=sys.stderr)
+        code = args.fn(args)
+        sys.stdout.flush()  # here, where a closed pipe can be handled
+        return code
+    except (ConfigError, NoRunDir) as e:  # already phrased for the user, naming the file or path
+        print(f"astraflow {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `astraflow inspect --json | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        return 1
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ file and line, never a traceback and never minutes spent expanding aliases.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from pathlib import Path
@@ -30,8 +31,22 @@ class ConfigError(ValueError):
     """A configuration problem, already phrased for the user."""
 
 
+PACKAGED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # package data (the repository's configs/)
+
+
+def find_config(path: str | Path) -> Path:
+    """`path` if it exists; else the packaged config of that name (`quickstart`,
+    `quickstart.yaml`, `configs/quickstart.yaml` from another directory or a non-editable
+    install); else `path` (reading it then names it)."""
+    path = Path(path)
+    if path.exists():
+        return path
+    packaged = PACKAGED_CONFIGS / (path.name if path.suffix else f"{path.name}.yaml")
+    return packaged if packaged.is_file() else path
+
+
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
-    return load_typed(Config, path, overrides)
+    return load_typed(Config, find_config(path), overrides)
 
 
 def parse_config(text: str, source: str = "<config>", overrides: Iterable[str] = ()) -> Config:
@@ -62,9 +77,9 @@ def parse_typed(tp: type[T], text: str, source: str, overrides: Iterable[str] = 
     lines: dict[str, int] = {}
     if node is not None:
         _record_lines(node, "", lines)
-    for item in overrides:
-        _apply_override(data, item, lines)
     where = _Where(source, lines)
+    for item in overrides:
+        where.overrides[_apply_override(data, item, lines)] = item
     obj = _build(tp, data, "", where)
     if isinstance(obj, Config):
         _check_semantics(obj, where)
@@ -97,11 +112,35 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(_plain(dataclasses.asdict(cfg)), sort_keys=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class Change:
+    path: str  # dotted key path
+    old: Any
+    new: Any
+    runtime: bool  # changeable on an existing run (the field's `runtime` metadata)
+    count: bool = False  # the number of items of a list differs (old, new: the lengths)
+
+    def fixed_error(self) -> str:
+        if self.count:
+            return f"{self.path}: the number of items is fixed once the run exists ({self.old}, not {self.new})"
+        return (f"{self.path}: fixed when the run directory was created ({self.old!r}); it cannot be changed "
+                f"to {self.new!r} on an existing run")
+
+
+def differences(old: Config, new: Config) -> list[Change]:
+    """Every leaf key whose value differs, in schema order."""
+    out: list[Change] = []
+    _diff(old, new, "", out)
+    return out
+
+
 def runtime_changes(old: Config, new: Config) -> list[str]:
     """Dotted paths whose values differ; raises if one is not changeable at run time."""
-    changed: list[str] = []
-    _diff(old, new, "", changed)
-    return changed
+    changes = differences(old, new)
+    fixed = [c for c in changes if not c.runtime]
+    if fixed:
+        raise ConfigError(fixed[0].fixed_error())
+    return [c.path for c in changes]
 
 
 # ---------------------------------------------------------------- internals
@@ -111,8 +150,14 @@ def runtime_changes(old: Config, new: Config) -> list[str]:
 class _Where:
     source: str
     lines: dict[str, int]
+    overrides: dict[str, str] = dataclasses.field(default_factory=dict)  # --set key -> the whole item
 
     def at(self, path: str) -> str:
+        """Where `path` came from: the `--set` that set it (or a section it created), else the
+        file's line of it or of the nearest enclosing key in the file."""
+        for key, item in self.overrides.items():
+            if path == key or path.startswith(key + ".") or (key.startswith(path + ".") and path not in self.lines):
+                return f"--set {item}"
         probe = path
         while probe and probe not in self.lines:
             probe = probe.rpartition(".")[0]
@@ -235,7 +280,8 @@ def _record_lines(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
             _record_lines(value, path, out)
 
 
-def _apply_override(data: dict, item: str, lines: dict[str, int]) -> None:
+def _apply_override(data: dict, item: str, lines: dict[str, int]) -> str:
+    """Set `KEY.PATH=VALUE` in the parsed YAML; returns the key path."""
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE")
@@ -252,6 +298,7 @@ def _apply_override(data: dict, item: str, lines: dict[str, int]) -> None:
         raise ConfigError(f"--set {key}: cannot replace a list item wholesale")
     target[last] = value
     lines.pop(key, None)
+    return key
 
 
 def _step(target: Any, part: str, path: str, create: bool) -> Any:
@@ -262,7 +309,7 @@ def _step(target: Any, part: str, path: str, create: bool) -> Any:
         if named:
             return named[0]
         names = [x.get("name") for x in target if isinstance(x, dict)]
-        raise ConfigError(f"--set {path}: no item {part!r}; items: {names}")
+        raise ConfigError(f"--set {path}: no item {part!r}{did_you_mean(part, map(str, names))}; items: {names}")
     if isinstance(target, dict):
         if part not in target and create:
             target[part] = {}
@@ -311,9 +358,8 @@ def _build_dataclass(tp: Any, value: Any, path: str, where: _Where) -> Any:
     for key in value:
         if key not in fields:
             sub = f"{path}.{key}" if path else str(key)
-            raise ConfigError(
-                f"{where.at(sub)}: {sub}: unknown key; valid keys of {label}: {sorted(fields)}"
-            )
+            raise ConfigError(f"{where.at(sub)}: {sub}: unknown key{did_you_mean(str(key), fields)}; "
+                              f"valid keys of {label}: {sorted(fields)}")
     kwargs = {}
     for name, f in fields.items():
         sub = f"{path}.{name}" if path else name
@@ -329,6 +375,12 @@ def _build_dataclass(tp: Any, value: Any, path: str, where: _Where) -> Any:
     return tp(**kwargs)
 
 
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """" (did you mean 'steps'?)" for the closest valid names (difflib), or ""."""
+    close = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
 def _show(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:60]}"
@@ -342,7 +394,7 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def _diff(old: Any, new: Any, path: str, out: list[str]) -> None:
+def _diff(old: Any, new: Any, path: str, out: list[Change]) -> None:
     if dataclasses.is_dataclass(old):
         for f in dataclasses.fields(old):
             sub = f"{path}.{f.name}" if path else f.name
@@ -351,13 +403,11 @@ def _diff(old: Any, new: Any, path: str, out: list[str]) -> None:
                 continue
             if dataclasses.is_dataclass(a) or isinstance(a, tuple):
                 _diff(a, b, sub, out)
-            elif not f.metadata.get("runtime"):
-                raise ConfigError(f"{sub}: fixed when the run directory was created "
-                                  f"({a!r}); it cannot be changed to {b!r} on an existing run")
             else:
-                out.append(sub)
+                out.append(Change(sub, a, b, bool(f.metadata.get("runtime"))))
     elif isinstance(old, tuple):
         if len(old) != len(new):
-            raise ConfigError(f"{path}: the number of items is fixed once the run exists")
+            out.append(Change(path, len(old), len(new), False, count=True))
+            return
         for i, (a, b) in enumerate(zip(old, new)):
             _diff(a, b, f"{path}.{i}", out)

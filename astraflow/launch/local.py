@@ -64,24 +64,28 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     preparing = components.start_prepare(run)
     t_components = time.time()
     try:
-        sup.add(components.dataflow(run, local=True))
-        wait_rendezvous(run.path, timeout_s=60, newer_than=t_components)
+        rank = sup.add(components.dataflow(run, local=True)).name
+        wait_rendezvous(run.path, timeout_s=60, newer_than=t_components, alive=lambda: sup.check_starting(rank))
         trainers = [sup.add(components.trainer(run, p, list(range(cfg.trainer.world)), cfg.trainer.world)).name
                     for p in cfg.policy_names]
         workers = [sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}", cfg.worker_policies(i))).name
                    for i in range(cfg.rollout.workers)]
         # it imports its engine now and scores when training is done (`training_done`)
         evaluation = start_eval(run, alongside=True)
+        progress = Progress(run, quiet)
+        progress.phase = "preparing the model (build and warm-up, once per run)"
+        while preparing.poll() is None:
+            progress.update()
+            time.sleep(POLL_S)
+        progress.phase = ""
         components.finish_prepare(run, preparing)
         ident = components.invite_standby(run)  # standby workers load the prepared model at once
-        progress = Progress(run, quiet)
         remaining = set(trainers)
         while remaining:
             remaining -= set(sup.poll())
             progress.update()
             time.sleep(POLL_S)
         progress.close()
-        status = components.dataflow_status(run)
     except (ComponentFailed, SystemExit) as e:  # a component, or the model's preparation, failed
         _cancel(preparing, evaluation)
         components.dismiss_standby(run, ident)
@@ -103,5 +107,6 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     components.dismiss_standby(run, ident)
     sup.stop(workers)
     components.wait_workers_left(run)
+    status = components.dataflow_status(run)  # after the workers' last commits: the counts are final
     sup.stop()
     return write_summary(run, status, started, t_components, time.time(), evaluation)

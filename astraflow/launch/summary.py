@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -72,6 +73,7 @@ def write_summary(run: RunDir, status: dict, started: float, t_components: float
     counts = status["policies"]
     trained = sum(v.get("trained", 0) for v in policies.values())
     summary = {
+        "run_dir": str(run.path),
         **{k: first.get(k) for k in ("reward_first", "reward_last", "steps", "time_to_target_s",
                                       "samples_to_target", "completion_len")},
         **evals,
@@ -92,3 +94,32 @@ def write_summary(run: RunDir, status: dict, started: float, t_components: float
     }
     (run.path / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _pair(first: float | None, last: float | None) -> str:
+    return " -> ".join("-" if v is None or v != v else f"{v:.3f}" for v in (first, last))
+
+
+def format_summary(summary: dict) -> str:
+    """The end of `astraflow run` for a person: a few lines, the full record in summary.json."""
+    run_dir = Path(summary["run_dir"])
+    lines = [f"run {run_dir} finished in {summary['wall_s']:.1f}s ({summary['components_s']:.1f}s of components)"]
+    for name, p in summary["policies"].items():
+        if not p.get("steps"):
+            lines.append(f"  {name}: no steps")
+            continue
+        target = (f", reached {summary['target_reward']} after {p['time_to_target_s']:.0f}s"
+                  if p.get("time_to_target_s") is not None else "")
+        lines.append(f"  {name}: {p['steps']} steps, reward (generated) {_pair(p['reward_first'], p['reward_last'])}"
+                     f"{target}, mean version lag {p['version_lag']:.2f}")
+    if "eval_accuracy" in summary:
+        accuracy = _pair(summary.get("eval_accuracy_base"), summary["eval_accuracy"])
+        lines.append(f"  held-out accuracy (greedy, starting -> last weights): {accuracy}")
+    elif "eval_error" in summary or "eval_skipped" in summary:
+        lines.append(f"  held-out accuracy: {summary.get('eval_error') or summary['eval_skipped']}")
+    rate = f"{summary['samples_per_s']:.0f} samples/s" if summary.get("samples_per_s") else "no samples"
+    lines.append(f"  {summary['trajectories']} trajectories stored, {summary['trained']} trained ({rate}), "
+                 f"{summary['dropped']} dropped (stale {summary['dropped_stale']}, zero advantage "
+                 f"{summary['filtered_zero_advantage']}, unused {summary['unused_trainer_done']})")
+    lines.append(f"  details: {run_dir / 'summary.json'}; curve: astraflow plot {run_dir}")
+    return "\n".join(lines)

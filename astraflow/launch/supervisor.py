@@ -44,16 +44,29 @@ class ComponentFailed(RuntimeError):
     pass
 
 
-def last_error(log: Path) -> str:
-    """The last line of a component's log that looks like an error, to quote in a message."""
+START_MARK = "--- start "  # the line the supervisor writes into a log before each start
+TAIL_LINES = 8
+
+
+def last_error(log: Path, lines: int = TAIL_LINES) -> str:
+    """The component's own last error, to quote in a message: up to `lines` lines of its log's
+    last start, ending at the last line that looks like an error (a traceback ends with one),
+    else the last lines; "" when the log is empty or unreadable."""
     try:
-        lines = log.read_text(errors="replace").splitlines()[-200:]
+        text = log.read_text(errors="replace").splitlines()[-500:]
     except OSError:
         return ""
-    for line in reversed(lines):
-        if "Error" in line or "ERROR" in line or "error:" in line:
-            return line.strip()[-300:]
-    return ""
+    starts = [i for i, line in enumerate(text) if line.startswith(START_MARK)]
+    text = [line for line in text[starts[-1] + 1 if starts else 0:] if line.strip()]
+    errors = [i for i, line in enumerate(text) if "Error" in line or "ERROR" in line or "error:" in line]
+    end = errors[-1] + 1 if errors else len(text)
+    return "\n".join("    " + line.rstrip()[-300:] for line in text[max(0, end - lines):end])
+
+
+def log_ending(log: Path) -> str:
+    """`last_error` as the end of a message: "; its log ends:" and the lines, or ""."""
+    cause = last_error(log)
+    return f"; its log ends:\n{cause}" if cause else ""
 
 
 class GroupGeneration:
@@ -107,12 +120,11 @@ class Supervisor:
     def _start(self, comp: Component) -> None:
         try:
             log_file = open(comp.log_path, "a")
-            log_file.write(f"--- start {comp.name} (restart {comp.restarts}) at {time.ctime()}\n")
+            log_file.write(f"{START_MARK}{comp.name} (restart {comp.restarts}) at {time.ctime()}\n")
             log_file.flush()
         except OSError as e:  # a full or failing disk: say so instead of dying with a traceback
-            cause = last_error(comp.log_path)
             raise ComponentFailed(f"cannot start {comp.name}: writing its log {comp.log_path} failed ({e})"
-                                  f"{'; its last error: ' + cause if cause else ''}") from None
+                                  f"{log_ending(comp.log_path)}") from None
         comp.procs = []
         comp.started_gen = comp.generation.current() if comp.generation else comp.restarts
         for i, cmd in enumerate(comp.commands):
@@ -146,14 +158,23 @@ class Supervisor:
                 comp.procs = []
                 comp.restarts += 1
                 if comp.restarts > self.max_restarts:
-                    cause = last_error(comp.log_path)
-                    raise ComponentFailed(f"{comp.name} failed {comp.restarts} times (exit codes {codes})"
-                                          f"{': ' + cause if cause else ''}; see {comp.log_path}")
+                    raise ComponentFailed(f"{comp.name} failed {comp.restarts} times (exit codes {codes}), "
+                                          f"see {comp.log_path}{log_ending(comp.log_path)}")
                 delay = self.backoff_s * 2 ** (comp.restarts - 1)
                 comp.next_start = now + delay
                 log.warning("%s exited with %s; restart %d/%d in %.1fs (log: %s)", comp.name, codes,
                             comp.restarts, self.max_restarts, delay, comp.log_path)
         return finished
+
+    def check_starting(self, name: str) -> None:
+        """Raise `ComponentFailed` quoting its log if `name` has exited while the launcher waits
+        for it to come up (the dataflow rank's address): a component that cannot start (a bad
+        input, a port in use) is reported at once with its own error, not after a timeout."""
+        comp = self.components[name]
+        codes = [p.poll() for p in comp.procs]
+        if any(c is not None for c in codes):
+            raise ComponentFailed(f"{name} exited while starting (exit codes {codes}), see {comp.log_path}"
+                                  f"{log_ending(comp.log_path)}")
 
     def stop(self, names: list[str] | None = None, timeout_s: float = 10.0) -> None:
         """Stop the named components (an empty list: none), or all of them."""

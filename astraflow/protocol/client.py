@@ -17,7 +17,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -41,8 +41,10 @@ def moved_to(run_dir: str | Path, address: str) -> str | None:
     return current if current != address else None
 
 
-def wait_rendezvous(run_dir: str | Path, timeout_s: float = 60.0, newer_than: float = 0.0) -> dict:
-    """Wait for a dataflow rank to publish its address (started after `newer_than`)."""
+def wait_rendezvous(run_dir: str | Path, timeout_s: float = 60.0, newer_than: float = 0.0,
+                    alive: Callable[[], None] | None = None) -> dict:
+    """Wait for a dataflow rank to publish its address (started after `newer_than`). `alive`,
+    called while waiting, raises when the rank being waited for has died (a launcher's check)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -51,6 +53,8 @@ def wait_rendezvous(run_dir: str | Path, timeout_s: float = 60.0, newer_than: fl
                 return info
         except (FileNotFoundError, json.JSONDecodeError):
             pass
+        if alive is not None:
+            alive()
         if time.monotonic() > deadline:
             raise TimeoutError(f"no dataflow rank published an address in {run_dir}/rendezvous within {timeout_s:.0f}s")
         time.sleep(0.05)

@@ -16,7 +16,7 @@ from astraflow.launch import components
 from astraflow.launch.supervisor import Supervisor
 from astraflow.slurm import jobs
 from astraflow.slurm.env import partition, rollout_worker_id
-from astraflow.slurm.site import SiteProfile
+from astraflow.slurm.site import SiteProfile, container_exec, srun_container_args
 from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
 
 
@@ -63,10 +63,11 @@ def submit_rollout_array(run: RunDir, n: int, partition_name: str, site: SitePro
     import submitit
 
     folder = run.path / "slurm" / "arrays" / "%j"
+    # Apptainer runs the interpreter inside the image: submitit puts `python` on srun's command line
+    python = " ".join(shlex.quote(word) for word in [*container_exec(site), python])
     executor = submitit.SlurmExecutor(folder=folder, python=python)
     setup = [f"module load {m}" for m in site.modules] + list(site.setup) + [f"cd {shlex.quote(str(Path.cwd()))}"]
-    srun_args = ([f"--container-image={site.container_image}"] if site.container_image else []) + \
-                ([f"--container-mounts={site.container_mounts}"] if site.container_mounts else [])
+    srun_args = srun_container_args(site)
     params = dict(partition=partition_name, time=time_minutes(site.time), cpus_per_task=site.cpus_per_task,
                   job_name="astraflow-rollout", array_parallelism=n, setup=setup, srun_args=srun_args,
                   signal_delay_s=site.signal_s, stderr_to_stdout=True,

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 from astraflow.config.rundir import RunDir
 from astraflow.launch import components
@@ -75,7 +76,10 @@ class Node:
         """Rank 0 only: open the run, check the step's shape, prepare, start the dataflow rank."""
         if self.task.role != "dataflow":
             raise RuntimeError(f"rank 0 must be the dataflow task (het group 0), not {self.task.role}")
-        run = open_run_checked(self.run_dir, self.config, self.overrides)
+        # the job script names the submitted config for a run directory it has to create; one
+        # that `astraflow-launch` created (with its --set) is resumed as it is, also on a requeue
+        created = (Path(self.run_dir) / "config.yaml").exists()
+        run = open_run_checked(self.run_dir, None if created else self.config, self.overrides)
         cfg = run.config
         trainers = sum(p["role"] == "trainer" for p in peers)
         if trainers != cfg.trainer.world * len(cfg.policy_names):
@@ -89,8 +93,8 @@ class Node:
             components.prepare(run)
             self.sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
             t0 = time.time()
-            self.sup.add(components.dataflow(run, local=False))
-            wait_rendezvous(run.path, timeout_s=120, newer_than=t0)
+            rank = self.sup.add(components.dataflow(run, local=False)).name
+            wait_rendezvous(run.path, timeout_s=120, newer_than=t0, alive=lambda: self.sup.check_starting(rank))
         return {"run_dir": str(run.path.resolve()), "session": session, "finished": finished}
 
     # ------------------------------------------------------------ roles
@@ -131,6 +135,10 @@ class Node:
         components.finished_marker(run.path).write_text(json.dumps({"time": time.time(), "job": self.task.job_id}))
         components.dismiss_standby(run, ident)
         components.wait_workers_left(run)
+        try:
+            last = components.dataflow_status(run)  # after the workers' last commits: the counts are final
+        except TimeoutError:  # the rank is gone: the last status it gave
+            pass
         self.sup.stop(timeout_s=STOP_TIMEOUT_S)
         summary = write_summary(run, last, self.started, t_components, time.time())
         log.info("run finished: %s", json.dumps({k: summary.get(k) for k in ("steps", "reward_last", "eval_accuracy")}))

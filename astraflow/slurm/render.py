@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from astraflow.config.loader import ConfigError
 from astraflow.config.schema import Config
-from astraflow.slurm.site import SiteProfile
+from astraflow.slurm.site import SiteProfile, container_exec, srun_container_args
 
 ROLE_COMMENTS = ("het group 0: the dataflow rank", "het group 1: trainers", "het group 2: rollout workers")
 
@@ -88,10 +88,8 @@ def render_hetjob(shape: JobShape, site: SiteProfile, config: str, python: str,
               f"PYTHON=${{ASTRAFLOW_PYTHON:-{shlex.quote(python)}}}",
               ""]
     srun = ["srun", "--het-group=0,1,2", f"--mpi={site.mpi}", "--kill-on-bad-exit=0"]
-    if site.container_image:
-        srun.append(f"--container-image={shlex.quote(site.container_image)}")
-    if site.container_mounts:
-        srun.append(f"--container-mounts={shlex.quote(site.container_mounts)}")
+    srun += [shlex.quote(arg) for arg in srun_container_args(site)]
+    srun += [shlex.quote(word) for word in container_exec(site)]  # Apptainer: around the interpreter
     lines += ["# MPI joins the tasks at start-up only; a task that dies does not end the step",
               "rc=0",
               " ".join(srun) + ' "$PYTHON" -m astraflow.cli.main node --config "$CONFIG" --run-dir "$RUN_DIR" || rc=$?',

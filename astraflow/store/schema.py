@@ -6,8 +6,9 @@ per-trajectory table `rows` (one compound dataset, a column per field of `ROW_CO
 indexes them with `offset`/`length`.
 Free metadata is JSON, concatenated into the byte dataset `meta_bytes` (flat too: filters do
 nothing on variable-length HDF5 types, and SWMR forbids creating anything once writing
-starts). File attributes (`schema_version`, `policy_names`, `created`) are written before
-SWMR mode is switched on and never after.
+starts). File attributes (`schema_version`, `policy_names`, `created`, `description`,
+`version_none`) and the datasets' descriptions (`COLUMN_DOCS`: meaning and unit of every
+column) are written before SWMR mode is switched on and never after.
 
 The writer appends and flushes token data before the row table, so a row is only ever
 visible once the data it points to is in the file. Rows that point at nothing (a write cut
@@ -56,6 +57,44 @@ ROW_COLUMNS: dict[str, np.dtype] = {
 }
 
 ROW_DTYPE = np.dtype(list(ROW_COLUMNS.items()))
+
+# What each column means, with its unit: written as attributes of the shard's datasets (the row
+# table's attribute of a column's name, a token dataset's `description`), so a shard read with
+# plain h5py describes itself. Weight versions: 0 is the starting model, v the weights the
+# trainer published after its step v; `VERSION_NONE` (-1) where there is no version.
+VERSION_NONE = -1
+COLUMN_DOCS: dict[str, str] = {
+    "tokens": "token ids of every trajectory, concatenated (a row's offset and length select its own)",
+    "logprobs": "log-probability (natural log) of each token under the weights that generated it; 0 for "
+                "tokens no policy generated",
+    "loss_mask": "1 on the tokens this record's policy generated and trains on, 0 elsewhere",
+    "versions": "weight version that generated each token (0: the starting model, v: published after trainer "
+                "step v); -1 where no policy generated it (prompt, tool and environment tokens)",
+    "token_policy": "index into the file attribute policy_names of the policy that generated each token; -1 for "
+                    "prompt, tool and environment tokens",
+    "meta_bytes": "per-record JSON metadata, concatenated (a row's meta_offset and meta_length select its own)",
+    "sample_id": "the record's id, unique in the run; the unit a trainer consumes",
+    "task_id": "the task (prompt) this record answers",
+    "episode_id": "the episode (one rollout of the task) this record is from",
+    "group_id": "the group of samples of one prompt whose rewards are compared (advantages)",
+    "policy": "index into the file attribute policy_names",
+    "worker": "id of the rollout worker that generated it (UTF-8)",
+    "offset": "index of the record's first token in the token datasets",
+    "length": "number of tokens (prompt included)",
+    "reward": "the record's reward (the task's reward function)",
+    "guided": "1: an answer the policy did not sample (a reference answer, or a verdict on an answer the solver "
+              "did not give); it is trained on but never counted in a generated reward",
+    "weight": "weight in a reward mean over the prompt set: 1 / the prompt's selection probability",
+    "gen_s": "seconds the worker spent generating the episode (wall clock)",
+    "t_commit": "when the dataflow rank stored it: seconds since the Unix epoch (the rank's wall clock)",
+    "version_min": "oldest weight version among this policy's generated tokens (see versions)",
+    "version_max": "newest weight version among this policy's generated tokens",
+    "version_at_commit": "latest version of the policy's weights published when it was stored; -1: none was "
+                         "published yet (the starting model, version 0, generated it). Version lag: this minus "
+                         "version_min, where this is not -1",
+    "meta_offset": "index of the record's first byte in meta_bytes",
+    "meta_length": "bytes of the record's JSON metadata (0: none)",
+}
 MISSING_DEFAULTS = {"weight": 1.0}  # a column an older shard lacks reads as this, or as 0
 
 META_COLUMN = "meta_bytes"

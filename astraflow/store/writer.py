@@ -19,8 +19,8 @@ import h5py
 import numpy as np
 
 from astraflow.store.identity import FileIdentity
-from astraflow.store.schema import (INPUT_ROW_COLUMNS, META_COLUMN, ROW_COLUMNS, ROW_DTYPE, SCHEMA_VERSION,
-                                    TOKEN_COLUMNS)
+from astraflow.store.schema import (COLUMN_DOCS, INPUT_ROW_COLUMNS, META_COLUMN, ROW_COLUMNS, ROW_DTYPE,
+                                    SCHEMA_VERSION, TOKEN_COLUMNS, VERSION_NONE)
 
 ROW_CHUNK = 4096
 # What a flush may add to a shard beyond its data and chunks: chunk-index blocks, object
@@ -78,6 +78,19 @@ def check_batch(batch: RowBatch, n_policies: int) -> None:
         raise ValueError(f"row batch has a trajectory of no tokens or a policy index outside [0, {n_policies})")
 
 
+def describe(file: h5py.File) -> None:
+    """Write the columns' meanings and units as attributes (`COLUMN_DOCS`); before SWMR mode,
+    which forbids adding attributes."""
+    file.attrs["description"] = ("AstraFlow trajectory shard: one row of the compound dataset `rows` per stored "
+                                 "trajectory, indexing the flat per-token datasets; each dataset's attributes "
+                                 "describe its columns")
+    file.attrs["version_none"] = VERSION_NONE
+    for name in (*TOKEN_COLUMNS, META_COLUMN):
+        file[name].attrs["description"] = COLUMN_DOCS[name]
+    for name in ROW_COLUMNS:
+        file["rows"].attrs[name] = COLUMN_DOCS[name]
+
+
 class ShardWriter:
     def __init__(self, path: Path, policy_names: tuple[str, ...], opts: StoreOptions) -> None:
         self.path = path
@@ -97,6 +110,7 @@ class ShardWriter:
             META_COLUMN, (0,), maxshape=(None,), dtype="u1", chunks=(1 << 14,), **comp)
         self.ds["rows"] = self.file.create_dataset(
             "rows", (0,), maxshape=(None,), dtype=ROW_DTYPE, chunks=(ROW_CHUNK,), **comp)
+        describe(self.file)
         self.file.swmr_mode = True
         self._identity = FileIdentity(path, self.file.id.get_vfd_handle(), "the active shard")
         self._chunk_bytes = sum(ds.chunks[0] * ds.dtype.itemsize for ds in self.ds.values())

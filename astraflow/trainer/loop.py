@@ -5,7 +5,8 @@ restart gets the same samples), let the backend train on it (`Backend.train_step
 weights version = step (rank 0, filesystem channel, in the training dtype), announce it,
 then acknowledge the step's samples (`Consumed`). Metrics go to `metrics/<policy>.csv` (a row
 per trained step, appended; a replayed step gets a row again and readers merge a step's rows:
-`analysis/metrics.py`) and to TensorBoard event files in `metrics/tensorboard/<policy>/`; the
+`analysis/metrics.py`) and to TensorBoard event files in `metrics/tensorboard/<policy>/`
+(`analysis/sinks.py`, with a sample completion every `checkpoint_every` steps); the
 sample ids of every
 acknowledged step go to `metrics/<policy>.consumed.jsonl` (the trainer's own ledger, which
 audits compare with the rank's journal). Every `checkpoint_every` steps the backend saves
@@ -36,10 +37,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from tensorboardX import SummaryWriter
-
 from astraflow import hardware
-from astraflow.analysis.metrics import append_metrics, metrics_path
+from astraflow.analysis.sinks import Sinks, best_completion, open_sinks
 from astraflow.config.rundir import RunDir
 from astraflow.models import wait_for_model
 from astraflow.protocol import messages as m
@@ -86,7 +85,8 @@ class Trainer:
             log.info("resumed from %s (step %d)", ckpt.name, self.step)
         self.client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=BATCH_TIMEOUT_S)
         self.stop = False
-        self.board: SummaryWriter | None = None
+        self.sinks: Sinks | None = None  # rank 0's (analysis/sinks.py), opened at its first row
+        self._decode: Callable[[list[int]], str] | None = None
         signal.signal(signal.SIGUSR1, self._checkpoint_and_stop)  # Slurm's warning before preemption
         signal.signal(signal.SIGTERM, self._checkpoint_and_stop)
 
@@ -144,8 +144,8 @@ class Trainer:
                 break
             if row is None:
                 break
-        if self.board is not None:
-            self.board.close()
+        if self.sinks is not None:
+            self.sinks.close()
         if self.stop and self.rank == 0:
             self.checkpoint(self.step)
             log.info("stopped by a signal: checkpointed step %d", self.step)
@@ -160,14 +160,19 @@ class Trainer:
         except (TimeoutError, RemoteError) as e:
             log.warning("could not tell the dataflow rank that this trainer stopped: %s", e)
 
-    def record(self, row: dict) -> None:
-        """One CSV line and TensorBoard scalars per step (rank 0 only)."""
-        append_metrics(metrics_path(self.run.path, self.policy), self.metric_fields, row)
-        if self.board is None:
-            self.board = SummaryWriter(str(self.run.path / "metrics" / "tensorboard" / self.policy))
-        for key in self.metric_fields[2:]:
-            self.board.add_scalar(f"{self.policy}/{key}", row[key], row["step"], walltime=row["time"])
-        self.board.flush()
+    def record(self, row: dict, batch: m.TrajectoryBatch) -> None:
+        """The step's row to every sink (rank 0 only); every `checkpoint_every` steps its best
+        completion as text too."""
+        if self.sinks is None:
+            self.sinks = open_sinks(self.run.path, self.policy, self.metric_fields)
+        self.sinks.scalars(row, row["step"], row["time"])
+        if row["step"] % self.tcfg.checkpoint_every == 0 and len(batch.reward):
+            if self._decode is None:
+                from astraflow.models.tokenizer import load_hf_tokenizer
+
+                tokenizer = load_hf_tokenizer(self.base_dir)
+                self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+            self.sinks.text("best_completion", best_completion(batch, self._decode), row["step"])
 
     def train_step(self, step: int) -> dict | None:
         t0 = time.perf_counter()
@@ -192,7 +197,7 @@ class Trainer:
         if self.rank == 0:
             # the metrics row before `Consumed`: killed in between, the step is replayed and its
             # rows merged; killed after `Consumed` with the row unwritten, the step was lost to them
-            self.record(row)
+            self.record(row, reply.trajectories)
             self.call(m.Published(self.policy, step, self.publish(step), checkpoint_steps(self.ckpt_dir)))
             self.call(m.Consumed(self.policy, step, ids))
             with open(self.run.path / "metrics" / f"{self.policy}.consumed.jsonl", "a") as ledger:

@@ -41,14 +41,16 @@ def start(tmp_path: Path, steps: int, extra: list[str] = (), run_dir: Path | Non
     run_dir = run_dir or tmp_path / "run"
     overrides = [*BASE, f"trainer.steps={steps}", f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}", *extra]
     proc = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
-                             "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]],
+                             "--run-dir", str(run_dir), "--quiet", "--json",  # the summary as one line of JSON
+                             *[a for o in overrides for a in ("--set", o)]],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, run_dir
 
 
 def resume(run_dir: Path) -> subprocess.Popen:
     """`astraflow run --run-dir RUN`: carry on from the run directory, with its own config."""
-    return subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "run", "--run-dir", str(run_dir), "--quiet"],
+    return subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "run", "--run-dir", str(run_dir), "--quiet",
+                             "--json"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -61,6 +61,8 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, err[-3000:]
+    assert out.startswith(f"run {run_dir} finished in ") and len(out.splitlines()) <= 6, out  # for a person
+    assert "ETA" not in err and "step 1/" not in err  # --quiet: no progress lines
     summary = json.loads((run_dir / "summary.json").read_text())
     # each step counted once, although the restarted trainer replayed (and wrote rows for) some
     assert summary["steps"] == STEPS and summary["trained"] == STEPS * BATCH
@@ -83,6 +85,7 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
 
     # every stored trajectory is consistent with what the trainer consumed
     df = load_rows(run_dir)
+    assert summary["trajectories"] == len(df)  # counted after the workers' last commits, as inspect counts
     consumed: dict[int, list[int]] = {}
     for ev in replay(run_dir / "journal"):
         if ev["ev"] == "consumed":
@@ -136,7 +139,7 @@ def test_two_trainer_ranks_train_one_batch_per_step_together(tmp_path):
 
 def test_failed_preparation_stops_the_components_started_with_it(tmp_path):
     """Trainers and workers start with the model's preparation and wait for the model: when
-    the preparation fails, the launcher names its log and stops every one of them."""
+    the preparation fails, the launcher names its log, quotes its error and stops every one of them."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "models").write_text("")  # a file where the warmed-up models go: the preparation fails there
@@ -145,8 +148,10 @@ def test_failed_preparation_stops_the_components_started_with_it(tmp_path):
                           "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert out.stderr.strip().splitlines()[-1] == \
-        f"astraflow run: model preparation failed; see {run_dir / 'logs' / 'prepare.log'}", out.stderr[-2000:]
+    # the launcher quotes the preparation's own error from its log
+    assert f"astraflow run: model preparation failed, see {run_dir / 'logs' / 'prepare.log'}; its log ends:" \
+        in out.stderr, out.stderr[-2000:]
+    assert "NotADirectoryError" in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
     assert "NotADirectoryError" in (run_dir / "logs" / "prepare.log").read_text()
     assert all(not component_pids(run_dir, role) for role in ("dataflow", "train", "rollout", "eval"))
     for name in ("dataflow", "trainer-policy", "rollout-0", "rollout-1"):  # they had been started

@@ -33,8 +33,8 @@ SMALL = ["warmup.steps=20", "engine.kind=hf", "trainer.checkpoint_every=5", "lau
 def astraflow_run(config: str, run_dir: Path, overrides: list[str], **popen) -> subprocess.Popen:
     sets = [a for o in overrides for a in ("--set", o)]
     return subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "run", config, "--run-dir", str(run_dir),
-                             "--quiet", *sets], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **popen)
+                             "--quiet", "--json", *sets],  # the summary as one line of JSON
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
 def consumed_by_policy(run_dir: Path) -> dict[str, dict[int, list[int]]]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from astraflow.config.loader import ConfigError, load_config, parse_config
 from astraflow.slurm.arrays import time_minutes
 from astraflow.slurm.env import current_task, rollout_worker_id
 from astraflow.slurm.render import JobShape, render_hetjob
-from astraflow.slurm.site import SiteProfile, load_site
+from astraflow.slurm.site import SiteProfile, container_exec, load_site, srun_container_args
 from tests.conftest import REPO
 
 GOLDEN = REPO / "tests" / "golden"
@@ -49,6 +50,26 @@ def test_golden_hetjob_for_a_real_cluster_profile():
     check_golden("hetjob_example_cluster.sbatch", text)
     assert "#SBATCH --gpus-per-task=\"h100:1\"" in text and "module load cuda/12.4" in text
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks=8" in text  # 8 rollout workers, 4 per node
+
+
+def test_golden_hetjob_in_an_apptainer_container():
+    """Apptainer / Singularity: the interpreter runs inside the image (`apptainer exec --nv
+    --bind ... IMAGE`), srun gets no pyxis options; a rollout array wraps its python the same way."""
+    cfg = parse_config((REPO / QUICKSTART).read_text(), overrides=["rollout.workers=2"])
+    site = load_site("example-apptainer")
+    text = render_hetjob(JobShape.of(cfg, site, ["gpu-h100", "gpu-a100"]), site,
+                         "/home/me/astraflow/configs/quickstart.yaml", site.python, run_dir="/lustre/me/runs/a1")
+    check_golden("hetjob_apptainer.sbatch", text)
+    assert ("apptainer exec --nv --bind /lustre:/lustre,/scratch /shared/images/astraflow.sif \"$PYTHON\" -m "
+            "astraflow.cli.main node") in text
+    assert "--container-image" not in text and "module load apptainer" in text
+    singularity = replace(site, container="singularity", gpus_per_task=0, container_mounts="")
+    assert container_exec(singularity) == ["singularity", "exec", "/shared/images/astraflow.sif"]
+    with pytest.raises(ConfigError, match="container: apptainer needs container_image"):
+        container_exec(replace(site, container_image=""))
+    pyxis = replace(site, container="pyxis")
+    assert container_exec(pyxis) == []
+    assert srun_container_args(pyxis)[0] == "--container-image=/shared/images/astraflow.sif"
 
 
 def test_a_double_quote_in_an_sbatch_value_is_rejected():

@@ -64,5 +64,5 @@ def test_a_run_a_standby_worker_cannot_join_is_logged_and_it_waits_for_the_next(
         await asyncio.wait_for(serving, 5)
 
     asyncio.run(main())
-    assert "cannot join the run announced" in caplog.text and "not a run directory" in caplog.text
+    assert "cannot join the run announced" in caplog.text and "no-such-run: no such directory" in caplog.text
     assert worker.runs == 0
