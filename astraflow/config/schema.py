@@ -197,7 +197,10 @@ class PoolConfig:
 class RolloutConfig:
     workers: int = 1
     concurrency: int = 16  # tasks in flight per worker
-    weight_poll_s: float = runtime(0.2)
+    # A worker learns of new weights from its lease and commit replies (`latest`) and from the
+    # collective channel; it also asks the rank this often, a slow fallback for a worker that
+    # has nothing leased and nothing to commit.
+    weight_poll_s: float = runtime(5.0)
     # Which policies each worker hosts, pool by pool (workers 0..n0-1 the first pool, ...);
     # empty: every worker hosts every policy. The pools' workers add up to `workers`.
     pools: tuple[PoolConfig, ...] = ()
@@ -289,6 +292,24 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class WeightsConfig:
+    """The weight channel (astraflow/weights/): how versions reach the engines."""
+    # Every version is written to RUN_DIR/weights/ (`filesystem`); a full copy every
+    # `full_every` versions (and whenever a delta would be over half of one), a sparse delta
+    # against the previous version otherwise. 1: every version full.
+    full_every: int = 10
+    # `collective`: the trainer's rank 0 also broadcasts each version to the rollout workers of
+    # its job (NCCL on GPUs, gloo on CPUs); `auto`: so where the job has such workers.
+    # Workers that join later (arrays, standby workers) and any version a broadcast fails to
+    # deliver take the filesystem.
+    channel: str = choice("auto", "auto", "filesystem", "collective")
+    bucket_mb: float = 256.0  # tensors are broadcast flattened into buckets of this size
+    # Every collective operation gives up after this long: a dead or stopped worker delays the
+    # trainer by at most this much, and the version goes over the filesystem.
+    broadcast_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class LauncherConfig:
     max_restarts: int = 3
     backoff_s: float = 1.0
@@ -326,6 +347,7 @@ class Config:
     workflow: WorkflowConfig = WorkflowConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     selection: SelectionConfig = SelectionConfig()
+    weights: WeightsConfig = WeightsConfig()
 
     def policy(self, name: str) -> PolicyConfig:
         for p in self.policies:

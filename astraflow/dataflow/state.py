@@ -142,7 +142,8 @@ class DataflowState:
             elif kind == "register":
                 self.workers.restarts[ev["base"]] = ev["k"]
             elif kind == "published":
-                self.weights.publish(ev["policy"], ev["version"], ev["uri"], ev["pinned"], delete=False)
+                self.weights.publish(ev["policy"], ev["version"], ev["uri"], ev["pinned"], ev.get("full", True),
+                                     ev.get("base", ""), delete=False)
             elif kind == "ready":
                 self.buffers[ev["policy"]].trainer_step = ev["resume_step"]
             elif kind == "consumed":
@@ -506,10 +507,10 @@ class DataflowState:
 
     def _published(self, req: m.Published, now: float) -> m.Ok:
         self._check_policies([req.policy])
-        self.weights.publish(req.policy, req.version, req.uri, req.pinned)
+        self.weights.publish(req.policy, req.version, req.uri, req.pinned, req.full, req.base)
         self.buffers[req.policy].trainer_version = req.version
         self.journal.append("published", policy=req.policy, version=req.version, uri=req.uri,
-                            pinned=req.pinned, time=time.time())
+                            pinned=req.pinned, full=req.full, base=req.base, time=time.time())
         return m.Ok()
 
     def _stopped(self, req: m.Stopped, now: float) -> m.Ok:
