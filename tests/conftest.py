@@ -14,6 +14,7 @@ import pytest
 from astraflow.config.rundir import RunDir
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, read_rendezvous, wait_rendezvous
+from astraflow.store.writer import RowBatch
 from tests.ci_skips import (pytest_configure, pytest_make_collect_report,  # noqa: F401 (hooks: skips fail under CI)
                             pytest_runtest_makereport, pytest_runtest_setup)
 
@@ -138,3 +139,62 @@ def constant(value: float):
     async def reward(completion: str, answer: str, row: dict | None = None) -> float:
         return value
     return reward
+
+
+STORE_POLICIES = ("solver", "verifier")
+
+
+def make_batch(first_id: int, n: int, tokens: int = 50, seed: int = 0) -> RowBatch:
+    """n random trajectories of `tokens` tokens for the store, sample ids from `first_id`."""
+    rng = np.random.default_rng(seed + first_id)
+    total = n * tokens
+    return RowBatch(
+        tokens={"tokens": rng.integers(0, 1 << 30, total, dtype=np.int32),
+                "logprobs": -rng.random(total, dtype=np.float32),
+                "loss_mask": rng.integers(0, 2, total).astype(np.uint8),
+                "versions": rng.integers(0, 5, total).astype(np.int32),
+                "token_policy": rng.integers(-1, 2, total).astype(np.int8)},
+        rows={"sample_id": np.arange(first_id, first_id + n, dtype=np.int64),
+              "task_id": np.full(n, first_id // n, np.int64), "episode_id": np.arange(n, dtype=np.int64),
+              "group_id": np.zeros(n, np.int64), "policy": (np.arange(n) % 2).astype(np.uint8),
+              "worker": np.full(n, b"w1", "S64"), "length": np.full(n, tokens, np.int32),
+              "reward": rng.random(n).astype(np.float32), "guided": (np.arange(n) == 2).astype(np.uint8),
+              "weight": np.ones(n, np.float32),
+              "gen_s": np.zeros(n, np.float32), "t_commit": np.full(n, 1.0), "version_min": np.zeros(n, np.int32),
+              "version_max": np.ones(n, np.int32), "version_at_commit": np.ones(n, np.int32)},
+        meta=[json.dumps({"i": first_id + i}).encode() for i in range(n)])
+
+
+def trained_run_dir(tmp_path: Path, killed: bool = False, steps: int = 2) -> Path:
+    """A run directory written by the dataflow rank's state machine: eight tasks committed,
+    `steps` trainer steps of 16 samples consumed, everything flushed. With `killed`, its shard
+    is as a killed rank leaves it (copied while still open for writing, SWMR flags set)."""
+    from astraflow.bench.payload import random_trajectory
+    from astraflow.dataflow.state import DataflowState
+    from astraflow.store.writer import list_shards
+
+    run = make_run(tmp_path, ["tasks.group_size=4"])
+    state = DataflowState(run.path, run.config, clock=lambda: 1000.0)
+    state.recover()
+    worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 8)).worker_id
+    rng = np.random.default_rng(0)
+    for task in state.handle(m.Lease(worker, 8)).tasks:
+        trajs = [random_trajectory(rng, "policy", 8, prompt_tokens=2, reward=float(i % 2), group_id=task.task_id)
+                 for i in range(4)]
+        state.handle(m.Commit(worker, task.task_id, m.TrajectoryBatch.from_trajectories(trajs)))
+    for step in range(1, steps + 1):
+        ids = state.handle(m.Batch("policy", step, 16, 0, 1, step - 1)).sample_ids.tolist()
+        state.handle(m.Published("policy", step, f"file:///x/v{step}", []))
+        state.handle(m.Consumed("policy", step, ids))
+    state.flush()
+    (shard,) = list_shards(run.path / "shards")
+    open_copy = shard.read_bytes()
+    state.close()
+    if killed:
+        shard.write_bytes(open_copy)
+    return run.path
+
+
+@pytest.fixture
+def trained_run(tmp_path: Path) -> Path:
+    return trained_run_dir(tmp_path)

@@ -8,7 +8,10 @@
 - no sample trained twice in the surviving lineage: for each (policy, step) the last
   `consumed` event counts (a replayed step after a trainer restart replaces the first), and
   no sample id may appear in two steps. AstraFlow has no replay of old samples, so any
-  repeat is an error.
+  repeat is an error;
+- the clients' own ledgers agree (ledgers.py): every step a trainer acknowledged is in the
+  journal with the same samples, none twice, and every commit a worker had acknowledged is
+  stored or was committed again.
 
 Reads files only; safe on a live run (a commit may then be on its way and not yet visible).
 """
@@ -18,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from astraflow.analysis.ledgers import agree, cross_check, read_ledgers
+from astraflow.store.errors import StoreRefused
 from astraflow.store.journal import replay
 from astraflow.store.reader import ShardCorrupt, ShardReader, load_rows
 
@@ -29,10 +34,10 @@ def _quarantined_tasks(run_dir: Path) -> tuple[set[int], set[int], list[str]]:
     unreadable = []
     for path in sorted((run_dir / "shards" / "quarantine").glob("*.h5")):
         try:
-            reader = ShardReader(path)
+            reader = ShardReader(path, writer_alive=False)  # nothing writes a quarantined shard
             rows = reader.rows(("task_id", "sample_id"))
             reader.close()
-        except ShardCorrupt:
+        except (ShardCorrupt, StoreRefused):
             unreadable.append(path.name)
             continue
         tasks.update(int(t) for t in rows["task_id"])
@@ -51,7 +56,8 @@ def lineage(run_dir: Path) -> dict[tuple[str, int], dict]:
 
 def audit(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
-    df = load_rows(run_dir)
+    trainer_ledgers, acks = read_ledgers(run_dir)  # before the journal and the shards: see ledgers.py
+    df = load_rows(run_dir, verify=True)  # a shard whose data cannot be found has lost it
     commits = df.groupby(["task_id", "worker", "t_commit"]).size().groupby("task_id").size()
     duplicate_commits = int((commits - 1).sum())
     duplicate_samples = int(df["sample_id"].duplicated().sum())
@@ -60,7 +66,8 @@ def audit(run_dir: str | Path) -> dict:
     committed_tasks = set(df["task_id"].tolist())
     trained: dict[str, list[int]] = {}
     task_of: dict[int, int] = {}
-    for (policy, _), ev in lineage(run_dir).items():
+    journal_lineage = lineage(run_dir)
+    for (policy, _), ev in journal_lineage.items():
         trained.setdefault(policy, []).extend(ev["ids"])
         task_of.update(zip(ev["ids"], ev.get("tasks", [])))
     trained_twice = sum(len(ids) - len(set(ids)) for ids in trained.values())
@@ -93,11 +100,14 @@ def audit(run_dir: str | Path) -> dict:
         "quarantined_shards": len(list((run_dir / "shards" / "quarantine").glob("*.h5"))),
         "unreadable_quarantined": unreadable,
         "unreadable_shards": list(df.attrs.get("skipped", [])),
+        "torn_rows": dict(df.attrs.get("torn", {})),  # never acknowledged: not records, not a fault
         "examples": {"lost_samples": lost_samples[:10], "unregenerated_tasks": unregenerated[:10],
                      "duplicate_tasks": [int(t) for t in np.asarray(commits[commits > 1].index)[:10]]},
     }
+    report["ledgers"] = cross_check(trainer_ledgers, acks, {k: ev["ids"] for k, ev in journal_lineage.items()},
+                                    stored, committed_tasks)
     report["ok"] = (report["duplicates"] == 0 and report["lost"] == 0 and report["trained_twice"] == 0
-                    and not report["unreadable_shards"])
+                    and not report["unreadable_shards"] and agree(report["ledgers"]))
     return {"ok": report.pop("ok"), **report}
 
 
@@ -109,4 +119,13 @@ def format_audit(report: dict) -> str:
              f"trained twice {report['trained_twice']}, quarantined shards {report['quarantined_shards']}"]
     lines += [f"  {k}: {v}" for k, v in report["examples"].items() if v]
     lines += [f"  unreadable shard: {s}" for s in report["unreadable_shards"]]
+    lines += [f"  torn tail ignored: {n} rows of {s}" for s, n in report["torn_rows"].items()]
+    led = report["ledgers"]
+    if led["trainer_steps"] or led["acked_commits"]:
+        lines.append(f"  clients' ledgers: {led['trainer_steps']} trainer steps ({led['steps_missing_from_journal']} "
+                     f"missing from the journal, {led['steps_differing']} differing, "
+                     f"{led['steps_missing_from_ledger']} journalled but not in the ledger, {led['trained_twice']} "
+                     f"samples trained twice); {led['acked_commits']} acknowledged commits "
+                     f"({led['acked_not_stored']} samples not stored)")
+        lines += [f"    {k}: {v}" for k, v in led["examples"].items() if v]
     return "\n".join(lines)

@@ -57,6 +57,7 @@ def inspect_run(run_dir: str | Path, live: bool = True) -> dict[str, Any]:
         "shards": [p.name for p in iter_shards(run_dir)],
         "quarantined": sorted(p.name for p in (run_dir / "shards" / "quarantine").glob("*.h5")),
         "unreadable": df.attrs.get("skipped", []),
+        "torn_rows": df.attrs.get("torn", {}),
         "trajectories": int(len(df)),
         "tasks": int(df["task_id"].nunique()) if len(df) else 0,
         "policies": {},
@@ -110,6 +111,8 @@ def format_report(r: dict[str, Any]) -> str:
     for name in ("quarantined", "unreadable"):
         if r[name]:
             lines.append(f"  {name}: {', '.join(r[name])}")
+    if r["torn_rows"]:
+        lines.append("  torn tails ignored: " + ", ".join(f"{s} ({n} rows)" for s, n in r["torn_rows"].items()))
     for policy, p in r["policies"].items():
         guided = f" ({p['guided']} guided)" if p["guided"] else ""
         lines.append(f"policy {policy}: {p['trajectories']} trajectories{guided}, {p['tokens']} tokens, "

@@ -72,7 +72,8 @@ def _worker(run_dir: str, index: int, clients: int, tokens: int, seconds: float,
     poller = zmq.Poller()
     ids = []
     for i, c in enumerate(conns):
-        ids.append(c.call(m.Register(m.PROTOCOL_VERSION, f"bench-{index}-{i}", ["policy"], capacity=1)).worker_id)
+        register = m.Register(m.PROTOCOL_VERSION, f"bench-{index}-{i}", ["policy"], capacity=LEASE_AHEAD)
+        ids.append(c.call(register).worker_id)
         poller.register(c.sock, zmq.POLLIN)
     by_sock = {c.sock: i for i, c in enumerate(conns)}
     pending: dict[int, tuple[str, int, float]] = {}  # client -> (kind, seq, t_sent)

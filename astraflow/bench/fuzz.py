@@ -1,11 +1,14 @@
 """`astraflow bench fuzz`: hostile traffic against a live dataflow rank, while a correct client works.
 
 Fuzzer processes (nice 10, like load generators on other nodes) send, from a seeded RNG:
-garbage frames; valid payloads with a wrong signature; signed envelopes whose body is random
+garbage frames; valid messages with a wrong signature; signed envelopes whose body is random
 msgpack or a wrong type for a real message kind; signed envelopes of unknown kinds; signed
-valid payloads with bytes flipped, inserted or cut; exact replays of earlier signed frames;
+valid bodies with bytes flipped, inserted or cut; exact replays of earlier signed frames;
 and now and then a frame over the size limit. Some fuzzers hold the run secret — an insider
-sending nonsense reaches every decoder — and some do not.
+sending nonsense reaches every decoder — and some do not. Flooders (`flooders`, 0 by
+default) send nothing but frames just under the size limit (`max_message_mb`, 1 by default:
+the tester's case is 64, with 60 MB frames) with a wrong signature, as fast as the rank takes
+them: what they cost the rank before it can refuse them is what the correct client waits.
 
 Meanwhile one correct client registers, leases, commits and asks for status; every call must
 succeed, and its latency percentiles are reported. At the end a client with a wrong secret
@@ -38,12 +41,13 @@ from astraflow.protocol.codec import Codec
 from astraflow.protocol.wire import encode
 
 CONFIG = """
-run: {name: bench-fuzz, seed: 0}
-dataflow: {interface: loopback, lease_s: 30, heartbeat_timeout_s: 30, max_message_mb: 1}
-tasks: {kind: arithmetic, group_size: 4, heldout: 0, max_operand: 40}
+run: {{name: bench-fuzz, seed: 0}}
+dataflow: {{interface: loopback, lease_s: 30, heartbeat_timeout_s: 30, max_message_mb: {max_mb}}}
+tasks: {{kind: arithmetic, group_size: 4, heldout: 0, max_operand: 40}}
 policies:
-  - {name: policy, max_staleness: 1000000, buffer_capacity: 1000000, filter_zero_advantage: false}
+  - {{name: policy, max_staleness: 1000000, buffer_capacity: 1000000, filter_zero_advantage: false}}
 """
+NEAR_LIMIT = 0.94  # a flooder's frames: this fraction of the size limit (60 MB of 64)
 MUTATIONS = ("garbage", "bad_signature", "random_body", "unknown_kind", "mutated", "replay", "huge")
 WEIGHTS = (20, 10, 20, 10, 30, 10, 0.05)
 
@@ -102,29 +106,27 @@ def _fuzzer(address: str, secret: bytes | None, seed: int, seconds: float, limit
         elif kind in ("random_body", "unknown_kind"):
             name = rng.choice(list(m.REQUESTS)) if kind == "random_body" else rng.randbytes(6).hex()
             body = _random_value(rng) if kind == "random_body" else {}
-            payload = msgpack.packb([name, client_id, seq, time.time(), body], use_bin_type=True)
-            frames = [payload, codec.sign(payload)]
-        elif kind == "mutated":
+            frames = codec.seal(name, client_id, seq, time.time(), msgpack.packb(body, use_bin_type=True))
+        elif kind == "mutated":  # a signed body with bytes changed before signing: it reaches the decoders
             template = rng.choice(templates)
-            payload = bytearray(msgpack.packb([type(template).__name__.lower(), client_id, seq, time.time(),
-                                               encode(template)], use_bin_type=True))
+            payload = bytearray(msgpack.packb(encode(template), use_bin_type=True))
             for _ in range(rng.randint(1, 4)):
-                at = rng.randrange(len(payload))
-                op = rng.randrange(3)
+                at = rng.randrange(len(payload) + 1)
+                op = rng.randrange(3) if at < len(payload) else 1  # at the end (or into nothing): insert
                 if op == 0:
                     payload[at] = rng.randrange(256)
                 elif op == 1:
                     payload[at:at] = rng.randbytes(rng.randint(1, 8))
                 else:
                     del payload[at:at + rng.randint(1, 8)]
-            frames = [bytes(payload), codec.sign(bytes(payload))]
+            frames = codec.seal(type(template).__name__.lower(), client_id, seq, time.time(), bytes(payload))
         elif kind == "replay" and history:
             frames = rng.choice(history)
         elif kind == "huge":
             frames = [rng.randbytes(max_bytes + 1024), b"x" * 32]
         else:
             frames = codec.pack(rng.choice(templates), client_id, seq)
-        if len(history) < 256 and len(frames) == 2:
+        if len(history) < 256 and len(frames) == 3:  # the signed ones (header, mac, body)
             history.append(frames)
         try:
             sock.send_multipart(frames, zmq.NOBLOCK)
@@ -136,6 +138,25 @@ def _fuzzer(address: str, secret: bytes | None, seed: int, seconds: float, limit
         while sock.poll(0):
             sock.recv_multipart()
     out.put({"sent": sent, "total": total})
+    sock.close(0)
+
+
+def _flooder(address: str, max_message_bytes: int, seconds: float, out: mp.Queue) -> None:
+    """Frames just under the size limit with a wrong signature, as fast as the rank takes them."""
+    os.nice(10)
+    codec = Codec(os.urandom(32))  # not the run secret
+    frames = codec.pack(m.Status(), os.urandom(16), 1)
+    frames[2] = os.urandom(int(NEAR_LIMIT * max_message_bytes))  # the body
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 2)  # blocks when the rank has not taken the last ones yet
+    sock.connect(address)
+    sent, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if sock.poll(100, zmq.POLLOUT):
+            sock.send_multipart(frames, copy=False)
+            sent += 1
+    out.put({"flooded": sent, "flood_mb": sent * len(frames[2]) / 1e6})
     sock.close(0)
 
 
@@ -183,11 +204,12 @@ def _unauthenticated_gets_nothing(address: str) -> bool:
         intruder.close()
 
 
-def run_bench(seconds: float = 60.0, max_messages: int = 10**9, fuzzers: int = 2, seed: int | None = None) -> dict:
+def run_bench(seconds: float = 60.0, max_messages: int = 10**9, fuzzers: int = 2, seed: int | None = None,
+              flooders: int = 0, max_message_mb: float = 1.0) -> dict:
     seed = random.randrange(1 << 30) if seed is None else seed
     print(f"bench fuzz: seed {seed}", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="astraflow-fuzz-"))
-    (tmp / "fuzz.yaml").write_text(CONFIG)
+    (tmp / "fuzz.yaml").write_text(CONFIG.format(max_mb=max_message_mb))
     run = RunDir.create(tmp / "run", tmp / "fuzz.yaml")
     log = open(run.path / "logs" / "dataflow.log", "w")
     rank = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "dataflow", "--run-dir", str(run.path)],
@@ -198,16 +220,19 @@ def run_bench(seconds: float = 60.0, max_messages: int = 10**9, fuzzers: int = 2
         before = sum(status.call(m.Status()).status["protocol"]["counters"].values())
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        max_bytes = 2 << 20  # dataflow.max_message_mb above
+        limit = int(max_message_mb * (1 << 20))
+        max_bytes = 2 * limit  # the socket's own limit (ZMQ_MAXMSGSIZE): "huge" frames go beyond it
         secrets = [run.read_secret() if i % 2 == 0 else None for i in range(fuzzers)]
         stop = ctx.Event()  # the correct client works until the fuzzers are done
         procs = [ctx.Process(target=_fuzzer, args=(address, secrets[i], seed + i, seconds, max_messages // fuzzers,
                                                    max_bytes, out)) for i in range(fuzzers)]
+        procs += [ctx.Process(target=_flooder, args=(address, limit, seconds, out)) for _ in range(flooders)]
         procs.append(ctx.Process(target=_correct_client, args=(str(run.path), stop, out)))
         t0 = time.time()
         for p in procs:
             p.start()
-        results = [out.get(timeout=seconds + 120) for _ in range(fuzzers)]
+        results = [out.get(timeout=seconds + 120) for _ in range(fuzzers + flooders)]
+        time.sleep(max(0.0, t0 + seconds - time.time()))  # with no fuzzer at all: the quiet baseline
         wall = time.time() - t0
         stop.set()
         results.append(out.get(timeout=60))
@@ -224,12 +249,15 @@ def run_bench(seconds: float = 60.0, max_messages: int = 10**9, fuzzers: int = 2
         log.close()
     correct = next(r for r in results if "latencies" in r)
     fuzz = [r for r in results if "sent" in r]
+    flood = [r for r in results if "flooded" in r]
     lat = np.asarray(correct["latencies"])
     sent = {k: sum(r["sent"][k] for r in fuzz) for k in MUTATIONS}
     shutil.rmtree(tmp, ignore_errors=True)
     return {
         "seed": seed, "seconds": wall, "fuzzers": fuzzers, "messages_sent": sum(sent.values()), "sent": sent,
         "sent_per_s": sum(sent.values()) / wall,
+        "flooders": flooders, "max_message_mb": max_message_mb,
+        "near_limit_frames": sum(r["flooded"] for r in flood), "near_limit_mb": sum(r["flood_mb"] for r in flood),
         "handled_or_refused_per_s": handled / wall,
         "rank_alive": alive,
         "correct_client": {"calls": int(len(lat)), "failures": correct["failures"][:10],

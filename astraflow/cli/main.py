@@ -19,13 +19,12 @@ from astraflow.config.loader import ConfigError
 def _dataflow(args: argparse.Namespace) -> int:
     from astraflow.config.rundir import RunDir
     from astraflow.dataflow.server import DataflowServer
-
-    from astraflow.dataflow.state import StoreFull
+    from astraflow.store.errors import StoreStop
 
     run = RunDir.create_or_open(args.run_dir, args.config, args.set)
     try:
         DataflowServer(run, local=True if args.local else None).serve()
-    except StoreFull as e:
+    except StoreStop as e:
         print(f"astraflow dataflow: error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
@@ -192,7 +191,7 @@ def _bench_rollout(args: argparse.Namespace) -> int:
 def _bench_fuzz(args: argparse.Namespace) -> int:
     from astraflow.bench.fuzz import run_bench
 
-    result = run_bench(args.seconds, args.max_messages, args.fuzzers, args.seed)
+    result = run_bench(args.seconds, args.max_messages, args.fuzzers, args.seed, args.flooders, args.max_message_mb)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0 if result["rank_alive"] and not result["correct_client"]["n_failures"] else 1
 
@@ -376,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=60.0)
     b.add_argument("--max-messages", type=int, default=10**9)
     b.add_argument("--fuzzers", type=int, default=2, help="fuzzer processes (half of them hold the run secret)")
+    b.add_argument("--flooders", type=int, default=0,
+                   help="processes sending only frames just under the size limit, wrongly signed")
+    b.add_argument("--max-message-mb", type=float, default=1.0, help="the rank's dataflow.max_message_mb")
     b.add_argument("--seed", type=int)
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_fuzz)

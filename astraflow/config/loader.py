@@ -142,6 +142,8 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('elastic')}: elastic: expected 0 <= min_workers <= max_workers and step >= 1")
     if not 0 <= e.shrink_below < e.grow_above <= 1:
         raise ConfigError(f"{where.at('elastic')}: elastic: expected 0 <= shrink_below < grow_above <= 1")
+    if cfg.dataflow.max_trajectory_tokens < 1:
+        raise ConfigError(f"{where.at('dataflow.max_trajectory_tokens')}: dataflow.max_trajectory_tokens: expected >= 1")
     if cfg.tasks.group_size < 1:
         raise ConfigError(f"{where.at('tasks.group_size')}: tasks.group_size: expected >= 1")
     sel = cfg.selection

@@ -40,13 +40,18 @@ class DataflowConfig:
     lease_s: float = runtime(60.0)
     heartbeat_timeout_s: float = runtime(30.0)
     max_message_mb: float = 64.0
-    # Replay window: a signed message older than this (sender's wall clock) is refused.
+    # Replay window: a signed message older than this (sender's wall clock) is refused. A
+    # message signed before the dataflow rank started (less 1 s) is dropped too, so the clocks
+    # of a run's nodes must agree within about a second (NTP).
     max_clock_skew_s: float = 300.0
     status_window_s: float = runtime(30.0)
     # Buffered trajectories are kept in memory up to this much (about 14 bytes a token);
     # beyond it they are read back from their shard when served, so the rank's memory does
     # not grow with the buffer.
     payload_cache_mb: float = 1024.0
+    # A commit with a longer trajectory is refused (astraflow/dataflow/validate.py): one
+    # million-token record would otherwise be stored and served to a trainer.
+    max_trajectory_tokens: int = runtime(131072)
 
 
 @dataclass(frozen=True)
@@ -59,9 +64,11 @@ class StoreConfig:
     locking: bool = True
     # fsync after every flush: survives power loss, not only a killed process.
     fsync: bool = False
-    # The dataflow rank stops (cleanly, saying why) when its filesystem has less free space
-    # than this, rather than let a full disk cut a shard or the journal short mid-write
-    # (HDF5 even crashed the process on ENOSPC here).
+    # The dataflow rank stops (cleanly, saying why) before a flush that would leave its
+    # filesystem less free space than this, rather than let a full disk cut a shard or the
+    # journal short mid-write (HDF5 crashed the process on ENOSPC here). The flush's own size
+    # is counted on top, so 0 still protects the rank's writes; the margin is for the other
+    # writers on the filesystem (logs, checkpoints, weights).
     min_free_mb: float = 64.0
 
 

@@ -155,20 +155,19 @@ class PolicyBuffer:
             self.ready.appendleft(sid)
 
     def consume(self, step: int, ids: list[int]) -> str | None:
-        """Record a trainer step's acknowledgement; returns an error text if it does not fit."""
-        expected = self.served.get(step) or self.consumed.get(step)
-        if expected is not None and sorted(expected) != sorted(ids):
+        """Record a trainer step's acknowledgement; returns an error text if it does not fit.
+        Only a served step (or a consumed one, acknowledged again) with exactly its ids fits:
+        an acknowledgement of a step never served would otherwise move `trainer_step`, and
+        a step far ahead marked the trainer finished for good."""
+        expected = self.served.get(step)
+        if expected is None:
+            expected = self.consumed.get(step)
+        if expected is None:
+            return f"step {step} was never served"
+        if sorted(expected) != sorted(ids):
             return f"step {step} was served {len(expected)} other samples"
         for sid in ids:
-            info = self.samples.get(sid)
-            if info is None:
-                return f"unknown sample {sid}"
-            if info.state == CONSUMED and sid not in (self.consumed.get(step) or ()):
-                return f"sample {sid} was already consumed by another step"
-        for sid in ids:
             info = self.samples[sid]
-            if info.state == READY:
-                info.state = SERVED  # acknowledged without a visible serve (dataflow restarted)
             if info.state != CONSUMED:
                 self.counts["consumed"] += 1
             self._release(info, CONSUMED)

@@ -4,7 +4,10 @@ Invariants:
 - a task id is in at most one of `queued`, `leased`, `done`;
 - a lease is a duration measured here, never a wall-clock deadline sent by a peer;
 - an expired lease returns the task to the front of the queue (it is the oldest work);
-- the first commit of a task wins; any later commit of it is a duplicate, whoever holds it.
+- the first commit of a task wins; any later commit of it is a duplicate, whoever holds it;
+- a leased task is committed only by its holder (checked by the state machine); a task
+  nobody holds (expired, handed back) takes a late commit from any registered worker (its
+  previous holder, as a rule).
 """
 from __future__ import annotations
 
@@ -96,7 +99,9 @@ class TaskTable:
         return None
 
     def recover(self, done: set[int], high_water: int) -> None:
-        """After a restart: everything below the high-water mark that is not done is queued."""
+        """After a restart: everything below the high-water mark (and the task limit: the mark
+        is journalled in blocks, and may be beyond it) that is not done is queued."""
         self.done = set(done)
         self.next_id = max(high_water, max(done, default=-1) + 1)
-        self.queued = deque(t for t in range(self.next_id) if t not in self.done)
+        end = self.next_id if self.limit is None else min(self.next_id, self.limit)
+        self.queued = deque(t for t in range(end) if t not in self.done)

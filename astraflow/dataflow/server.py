@@ -32,11 +32,15 @@ from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import RENDEZVOUS_FILE
 from astraflow.protocol.codec import Codec, Reject
+from astraflow.store.errors import StoreStop
 
 log = logging.getLogger(__name__)
 
 MAX_DRAIN = 512
 IDLE_POLL_S = 0.05
+# Requests signed more than this before the rank started are dropped (replay protection across
+# restarts): a retry is signed afresh, and a restart takes longer than this anyway.
+RESTART_SLACK_S = 1.0
 
 
 class DataflowServer:
@@ -44,7 +48,8 @@ class DataflowServer:
         self.run = run
         cfg = run.config.dataflow
         self.max_bytes = int(cfg.max_message_mb * (1 << 20))
-        self.codec = Codec(run.read_secret(), max_bytes=self.max_bytes, max_skew_s=cfg.max_clock_skew_s)
+        self.codec = Codec(run.read_secret(), max_bytes=self.max_bytes, max_skew_s=cfg.max_clock_skew_s,
+                           not_before=time.time() - RESTART_SLACK_S)
         self.state = DataflowState(run.path, run.config)
         self.state.recover()
         self.ctx = zmq.Context()
@@ -58,6 +63,9 @@ class DataflowServer:
         else:
             self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # batch requests waiting for samples, one per (policy, step, rank): a newer one replaces
+        # the older; the state machine bounds steps and ranks, so a policy has at most
+        # trainer.world x STEPS_AHEAD of them, however many a peer sends
         self.parked: dict[tuple[str, int, int], tuple[bytes, bytes, int, m.Batch]] = {}
         self.outbox: list[list[bytes]] = []
         self.running = True
@@ -103,10 +111,12 @@ class DataflowServer:
         if self.sock.poll(int(timeout * 1000)):
             for _ in range(MAX_DRAIN):
                 try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                    # not copied: a body (up to max_message_mb) is read in place, and one with a
+                    # wrong signature is never read at all (protocol/codec.py)
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._on_message(frames)
+                self._on_message([frames[0].bytes, *(f.buffer for f in frames[1:])])
         now = self.state.clock()
         self.state.tick(now)
         self._retry_parked(now)
@@ -118,12 +128,17 @@ class DataflowServer:
                 self.state.counters["reply_dropped"] += 1
         self.outbox.clear()
 
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _on_message(self, frames: list[bytes | memoryview]) -> None:
         identity, body = frames[0], frames[1:]
         try:
             env, request = self.codec.request(body)
         except Reject as e:
-            self.state.counters[f"rejected_{e.code}"] += 1
+            key = f"rejected_{e.code}"
+            self.state.counters[key] += 1
+            n = self.state.counters[key]
+            if e.code == "signed_before_start" and n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a clock behind?
+                log.warning("dropped %d messages signed before this rank started: replays, requests queued across "
+                            "the restart, or a client whose clock is behind this node's (%s)", n, e.message)
             if e.reply and e.client_id:
                 self._reply(identity, e.client_id, e.seq, m.Error(e.code, e.message))
             return
@@ -136,6 +151,8 @@ class DataflowServer:
     def _handle(self, request: Any, now: float, count: bool = True) -> Any:
         try:
             return self.state.handle(request, now, count)
+        except StoreStop:
+            raise  # the store cannot go on safely: the rank stops, saying why (store/errors.py)
         except Exception:  # noqa: BLE001 - a bug in one handler must not stop the rank
             self.state.counters["error_internal"] += 1
             log.error("internal error on %s:\n%s", type(request).__name__, traceback.format_exc())

@@ -24,32 +24,45 @@ import numpy as np
 
 from astraflow.config.schema import Config
 from astraflow.dataflow import schedule
-from astraflow.dataflow.buffers import (CONSUMED, FILTERED, READY, PolicyBuffer, SampleInfo, cached_mb,
+from astraflow.dataflow.buffers import (CONSUMED, FILTERED, READY, SERVED, PolicyBuffer, SampleInfo, cached_mb,
                                        group_stats)
 from astraflow.dataflow.leases import TaskTable
 from astraflow.dataflow.selection import PromptSelection
 from astraflow.dataflow.status import WaitTracker, build_status
+from astraflow.dataflow.validate import InvalidField, Vocabulary, check_commit, check_versions, records_per_commit
 from astraflow.tasks.sources import TaskSource
 from astraflow.dataflow.weights import WeightRegistry
 from astraflow.dataflow.workers import WorkerRegistry
+from astraflow.models import base_model_dir
 from astraflow.protocol import messages as m
+from astraflow.store.errors import StoreRefused, StoreStop
 from astraflow.store.journal import Journal, replay
+from astraflow.store.reader import ShardCorrupt
 from astraflow.store.schema import TOKEN_COLUMNS
 from astraflow.store.shards import ShardStore
-from astraflow.store.writer import RowBatch, StoreOptions
+from astraflow.store.writer import RowBatch, StoreOptions, list_shards
 
 log = logging.getLogger(__name__)
 
 TASK_HWM_BLOCK = 1024  # task ids are journalled in blocks: one journal line per 1024 tasks
 SAMPLE_HWM_BLOCK = 1 << 16  # sample ids likewise
 STARVING_S = 30.0  # a trainer waiting this long for a batch gets a warning saying why, this often
+# Bounds on what a peer asks for (a count or a version beyond what the rank knows is refused):
+MAX_CAPACITY = 4096  # tasks one worker may hold at once (its registered capacity; Lease n <= it)
+STEPS_AHEAD = 4  # a batch request is for a consumed step (a replay), a served one, or at most
+# this many steps past the trainer's last acknowledged one (its next, or a prefetched one)
 
 
 MB = 1 << 20
 
 
-class StoreFull(Exception):
+class StoreFull(StoreStop):
     """The run directory's filesystem is (nearly) full: the rank stops before writing."""
+
+
+class ShardDamaged(StoreStop):
+    """A shard could not be read back while serving: the rank records it in the journal and
+    stops; its restart quarantines the shard (its tasks are handed out again)."""
 
 
 class RequestError(Exception):
@@ -83,6 +96,8 @@ class DataflowState:
         self.weights = WeightRegistry(self.run_dir / "weights", {p.name: p.keep_versions for p in cfg.policies})
         self.store = ShardStore(self.run_dir / "shards", self.policy_names, store_options(cfg))
         self.journal = Journal(self.run_dir / "journal", fsync=cfg.store.fsync)
+        self.vocabulary = Vocabulary(base_model_dir(self.run_dir, cfg.model.path))  # read at the first commit
+        self.max_records = records_per_commit(cfg)
         self.waits = {p: WaitTracker() for p in self.policy_names}
         self.trainers: dict[str, dict[str, Any]] = {}
         self.counters: Counter[str] = Counter()
@@ -104,10 +119,18 @@ class DataflowState:
 
     # ================================================================ recovery
     def recover(self) -> None:
+        # the journal first: it names shards found damaged while serving, which go to quarantine
+        events = list(replay(self.run_dir / "journal"))
+        damaged = {ev["shard"]: f"found damaged while serving: {ev['why']}"
+                   for ev in events if ev.get("ev") == "damaged"}
+        self._check_journal_whole(events)
+        # a config that no longer matches the stored data is refused before anything is moved
+        shards = self.store.recover(damaged)
+        self._check_journal_policies(events)
         infos: dict[str, dict[int, SampleInfo]] = {p: {} for p in self.policy_names}
         groups: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
         done: set[int] = set()
-        for idx, reader, rows in self.store.recover():
+        for idx, reader, rows in shards:
             names = reader.policy_names
             for r in range(len(rows["sample_id"])):
                 sid, tid = int(rows["sample_id"][r]), int(rows["task_id"][r])
@@ -131,7 +154,8 @@ class DataflowState:
         for tid, zero in uninformative.items():  # in task order, as the tasks were committed (about)
             self.selection.observe(tid, zero)
         high_water = 0
-        for ev in replay(self.run_dir / "journal"):
+        served: dict[str, dict[int, list[int]]] = {p: {} for p in self.policy_names}  # not yet consumed
+        for ev in events:
             kind = ev.get("ev")
             if kind == "start":
                 self.incarnation = ev["incarnation"]
@@ -144,9 +168,13 @@ class DataflowState:
             elif kind == "published":
                 self.weights.publish(ev["policy"], ev["version"], ev["uri"], ev["pinned"], ev.get("full", True),
                                      ev.get("base", ""), delete=False)
-            elif kind == "ready":
+            elif kind == "ready":  # a restarted trainer: what it was served went back to the buffer
                 self.buffers[ev["policy"]].trainer_step = ev["resume_step"]
+                served[ev["policy"]].clear()
+            elif kind == "served":
+                served[ev["policy"]][ev["step"]] = ev["ids"]
             elif kind == "consumed":
+                served[ev["policy"]].pop(ev["step"], None)
                 buf, pinfo = self.buffers[ev["policy"]], infos[ev["policy"]]
                 present = [s for s in ev["ids"] if s in pinfo]
                 self.lost_samples += len(ev["ids"]) - len(present)
@@ -154,6 +182,13 @@ class DataflowState:
                     pinfo[sid].state = CONSUMED
                 buf.consumed[ev["step"]] = present
                 buf.trainer_step = max(buf.trainer_step, ev["step"])
+        for policy, steps in served.items():
+            for step, ids in steps.items():
+                present = [s for s in ids if s in infos[policy]]
+                self.lost_samples += len(ids) - len(present)
+                for sid in present:
+                    infos[policy][sid].state = SERVED
+                self.buffers[policy].served[step] = present
         for policy, pinfo in infos.items():
             buf = self.buffers[policy]
             for sid in sorted(pinfo):
@@ -164,6 +199,8 @@ class DataflowState:
                     buf.ready.append(sid)
                 elif info.state == FILTERED:
                     buf.counts["filtered"] += 1
+                elif info.state == SERVED:
+                    buf.counts["served"] += 1
                 else:
                     buf.counts["consumed"] += 1
         self.task_hwm = high_water
@@ -173,9 +210,39 @@ class DataflowState:
         # starts above every id the journal says was handed out (journalled in blocks).
         self.next_sample_id = max(self.next_sample_id, self.sample_hwm)
         self.journal.append("start", incarnation=self.incarnation, time=time.time(), first_sample=self.next_sample_id)
-        self.journal.flush()
+        self.flush()
         log.info("recovered: %d tasks done, %d samples, %d queued tasks, %d quarantined shards",
                  len(done), self.next_sample_id, len(self.tasks.queued), len(self.store.quarantined))
+
+    def _check_journal_whole(self, events: list[dict[str, Any]]) -> None:
+        """The journal must go back to the run's first start: a rank that began a new one next to
+        existing shards would serve consumed samples again and lose the trainers' lineage (a
+        journal deleted mid-run: 128 samples trained twice, steps 1-60 missing)."""
+        path = self.journal.path
+        starts = [ev for ev in events if ev.get("ev") == "start"]
+        shards = self.store.dir
+        stored = next(iter(list_shards(shards)), None) or next(iter((shards / "quarantine").glob("shard-*.h5")), None)
+        if starts and starts[0].get("first_sample", 0) > 0:
+            why = (f"begins with incarnation {starts[0]['incarnation']} at sample {starts[0]['first_sample']}, not at "
+                   f"the run's start")
+        elif not starts and stored is not None:
+            why = f"is missing or empty but {stored.name} holds the run's data"
+        else:
+            return
+        rescued = sorted(path.parent.glob(f"{path.name}.rescued-*"))
+        hint = (f"restore it (the rank rescued a copy when it saw it go: {rescued[-1]})" if rescued
+                else "restore it from a copy, or start a new run")
+        raise StoreRefused(f"{path} {why}: it was deleted or replaced, and starting from it would train samples "
+                           f"again and hand out ids twice; {hint}. Nothing was moved")
+
+    def _check_journal_policies(self, events: list[dict[str, Any]]) -> None:
+        """Every policy the journal names must be in the config (else replaying it fails half-way)."""
+        for ev in events:
+            if "policy" in ev and ev["policy"] not in self.policy_index:
+                raise StoreRefused(
+                    f"{self.run_dir / 'journal' / 'journal.jsonl'} names policy {ev['policy']!r} (a {ev.get('ev')!r} "
+                    f"event) but the run's config names {list(self.policy_names)}: the config no longer matches "
+                    f"the stored data; restore the config's policies. Nothing was moved")
 
     def _filtered(self, policy: str, rewards: np.ndarray, std: float) -> bool:
         return self.cfg.policy(policy).filter_zero_advantage and len(rewards) > 1 and std == 0.0
@@ -192,12 +259,18 @@ class DataflowState:
             return m.Error(e.code, str(e))
 
     def flush(self) -> None:
-        """Make everything handled so far durable. Replies may be sent only after this."""
+        """Make everything handled so far durable. Replies may be sent only after this.
+
+        The turn's writes must fit with `store.min_free_mb` to spare (the room left for logs,
+        checkpoints and weights on the same filesystem): HDF5 out of space inside a flush
+        crashed the rank (SIGSEGV) and left rows of zeros, so the rank stops before that."""
         free = shutil.disk_usage(self.run_dir).free
-        if free < self.cfg.store.min_free_mb * MB:
-            raise StoreFull(f"only {free / MB:.1f} MB free under {self.run_dir} (store.min_free_mb="
-                            f"{self.cfg.store.min_free_mb:g}): stopping before a shard or the journal is cut "
-                            f"short; nothing unflushed was acknowledged. Free some space and resume the run")
+        need = self.store.staged_bytes() + self.journal.pending_bytes()
+        if free < self.cfg.store.min_free_mb * MB + need:
+            raise StoreFull(f"only {free / MB:.1f} MB free under {self.run_dir}, this turn writes up to "
+                            f"{need / MB:.1f} MB and store.min_free_mb={self.cfg.store.min_free_mb:g} are kept "
+                            f"free: stopping before a shard or the journal is cut short; nothing unflushed was "
+                            f"acknowledged. Free some space and resume the run")
         self.store.flush()
         self.journal.flush()
 
@@ -208,12 +281,10 @@ class DataflowState:
         if expired:
             self.counters["leases_expired"] += len(expired)
         for w in self.workers.sweep(now, self.cfg.dataflow.heartbeat_timeout_s):
-            released = [t for t, lease in list(self.tasks.leased.items()) if lease.worker == w.worker_id]
-            for t in released:
-                self.tasks.release(t)
+            released = self._hand_back(w.worker_id)
             self.counters["workers_dead"] += 1
             log.warning("worker %s silent for %.0fs: declared dead, %d leases handed back",
-                        w.worker_id, now - w.last_seen, len(released))
+                        w.worker_id, now - w.last_seen, released)
         self._warn_starving(now)
 
     def _warn_starving(self, now: float) -> None:
@@ -243,8 +314,11 @@ class DataflowState:
         return self.tasks.next_deadline()
 
     def close(self) -> None:
-        self.store.close()
-        self.journal.close()
+        """Close the store and the journal. Whatever was handled since the last `flush()` was
+        never acknowledged and is dropped: after a failed flush (a full disk) writing it would
+        run into what stopped the rank."""
+        self.store.close(drop_staged=True)
+        self.journal.close(drop_pending=True)
 
     # ================================================================ workers
     def _check_protocol(self, version: int) -> None:
@@ -267,23 +341,37 @@ class DataflowState:
     def _register(self, req: m.Register, now: float) -> m.RegisterReply:
         self._check_protocol(req.protocol_version)
         self._check_policies(req.policies)
-        if not req.worker_id or req.capacity < 1:
-            raise RequestError("bad_request", "worker_id must be non-empty and capacity >= 1")
-        info = self.workers.register(req.worker_id, now, policies=tuple(req.policies), capacity=req.capacity,
-                                     hardware=req.hardware, partition=req.partition, host=req.host, pid=req.pid)
-        for old in self.workers.previous_incarnations(info):
-            old.alive = False
-            for t in [t for t, lease in self.tasks.leased.items() if lease.worker == old.worker_id]:
-                self.tasks.release(t)
+        if not req.worker_id or not 1 <= req.capacity <= MAX_CAPACITY:
+            raise RequestError("bad_request", f"worker_id must be non-empty and 1 <= capacity <= {MAX_CAPACITY}")
+        info, ended = self.workers.register(req.worker_id, now, policies=tuple(req.policies), capacity=req.capacity,
+                                            hardware=req.hardware, partition=req.partition, host=req.host, pid=req.pid)
+        if ended is not None:  # the incarnation this one replaces: its leases go back to the queue
+            self._hand_back(ended.worker_id)
         self.journal.append("register", base=req.worker_id, k=self.workers.restarts[req.worker_id],
                             worker=info.worker_id, partition=req.partition, hardware=req.hardware,
                             host=req.host, pid=req.pid, engine_load_s=req.engine_load_s, time=time.time())
         hb = self.cfg.dataflow.heartbeat_timeout_s
         return m.RegisterReply(info.worker_id, self.cfg.dataflow.lease_s, hb / 3)
 
+    def _hand_back(self, worker_id: str) -> int:
+        """Return every lease `worker_id` holds to the queue; how many there were."""
+        held = [t for t, lease in self.tasks.leased.items() if lease.worker == worker_id]
+        for t in held:
+            self.tasks.release(t)
+        return len(held)
+
     def _heartbeat(self, req: m.Heartbeat, now: float) -> m.Ok:
-        self._worker(req.worker_id, now).versions = dict(req.versions)
+        worker = self._worker(req.worker_id, now)
+        self._check_versions(req.versions)
+        worker.versions = dict(req.versions)
         return m.Ok()
+
+    def _check_versions(self, versions: dict[str, int]) -> None:
+        """The weights a worker says it runs: known policies, versions no newer than published."""
+        try:
+            check_versions(versions, self.policy_index, self._version_ceilings())
+        except InvalidField as e:
+            raise RequestError("bad_request", str(e)) from None
 
     def _latest(self) -> dict[str, int]:
         return {p: self.weights.latest(p)[0] for p in self.policy_names}
@@ -293,6 +381,7 @@ class DataflowState:
 
     def _lease_tasks(self, req: m.Lease, now: float) -> m.LeaseReply:
         worker = self._worker(req.worker_id, now)
+        self._check_versions(req.versions)
         worker.versions = dict(req.versions)
         needed = self.cfg.task_policies
         if worker.base in self.draining:
@@ -305,7 +394,7 @@ class DataflowState:
                 self.counters["lease_refused_stale"] += 1
                 return m.LeaseReply([], 0.5, "stale_weights")
         group = self.cfg.tasks.group_size
-        n = max(0, req.n)
+        n = min(max(0, req.n), worker.capacity)  # a worker holds at most its capacity's worth
         if self.cfg.schedule.mode == "sync":
             quota, why = schedule.sync_quota(self, needed, req.versions)
             if quota == 0:
@@ -351,10 +440,8 @@ class DataflowState:
         for tid in req.task_ids:
             self.tasks.release(tid, req.worker_id)
         if req.leaving:
-            # whatever it still holds (a lease it forgot about) goes back too
-            for tid in [t for t, lease in self.tasks.leased.items() if lease.worker == worker.worker_id]:
-                self.tasks.release(tid)
-            worker.alive = False
+            self._hand_back(worker.worker_id)  # whatever it still holds (a lease it forgot about) goes back too
+            self.workers.end(worker, now)
             self.journal.append("leave", worker=worker.worker_id, time=time.time())
         return m.Ok()
 
@@ -364,13 +451,20 @@ class DataflowState:
 
     # ================================================================ commits
     def _commit(self, req: m.Commit, now: float) -> m.CommitReply:
-        self.workers.seen(req.worker_id, now)  # a commit is a heartbeat; unknown workers may commit
+        worker = self._worker(req.worker_id, now)  # a commit is a heartbeat, from a registered worker
         tid = req.task_id
         if tid < 0 or tid >= self.tasks.next_id:
             raise RequestError("bad_request", f"task {tid} was never handed out")
         if tid in self.tasks.done:
             self.counters["duplicate_commits"] += 1
             return m.CommitReply("duplicate", [], self._latest())
+        lease = self.tasks.leased.get(tid)
+        if lease is not None and lease.worker != worker.worker_id:
+            # Only the holder commits. A task nobody holds (its lease expired, its holder was
+            # declared dead or re-registered, the rank restarted) takes a late commit from any
+            # registered worker: the work is done, and the first commit wins either way.
+            raise RequestError("not_holder", f"task {tid} is leased to another worker (this worker's lease expired "
+                                             f"and the task was handed out again); nothing stored")
         trajs = req.trajectories
         n = len(trajs)
         if not n:
@@ -378,6 +472,12 @@ class DataflowState:
         unknown = set(trajs.policy) - set(self.policy_index)
         if unknown:
             raise RequestError("bad_request", f"trajectories.policy: unknown policies {sorted(unknown)}")
+        try:
+            check_commit(trajs, req.versions, self.policy_index, self._version_ceilings(), self.vocabulary.get(now),
+                         self.cfg.dataflow.max_trajectory_tokens, self.max_records, self.vocabulary.path)
+        except InvalidField as e:
+            self.counters[f"invalid_{e.field}"] += 1
+            raise RequestError("invalid_commit", f"commit of task {tid} refused, nothing stored: {e}") from None
         weight = self.selection.weight(tid)
         batch, vmin = self._row_batch(req, tid, weight)
         sids = batch.rows["sample_id"]
@@ -406,13 +506,16 @@ class DataflowState:
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
         return m.CommitReply("stored", sids.tolist(), self._latest())
 
+    def _version_ceilings(self) -> np.ndarray:
+        """The newest weight version each policy may have generated with (its newest published
+        one; 0, the starting weights, before any), and last, for token_policy -1, the largest."""
+        ceilings = [max(self.weights.latest(p)[0], 0) for p in self.policy_names]
+        return np.array([*ceilings, max(ceilings)], np.int64)
+
     def _row_batch(self, req: m.Commit, tid: int, weight: float) -> tuple[RowBatch, np.ndarray]:
         """Columns for the store, computed with whole-array operations (this is the hot path)."""
         trajs = req.trajectories
         n = len(trajs)
-        tp = trajs.token_policy
-        if tp.min() < -1 or tp.max() >= len(self.policy_names):
-            raise RequestError("bad_request", f"token_policy values must be in [-1, {len(self.policy_names)})")
         starts = trajs.offsets[:-1]
         own = trajs.loss_mask.astype(bool)
         vmin = np.minimum.reduceat(np.where(own, trajs.versions, np.iinfo(np.int32).max), starts)
@@ -446,6 +549,10 @@ class DataflowState:
     def _ready(self, req: m.Ready, now: float) -> m.ReadyReply:
         self._check_protocol(req.protocol_version)
         self._check_policies([req.policy])
+        acknowledged = max(self.buffers[req.policy].consumed, default=0)
+        if not 0 <= req.resume_step <= acknowledged:  # a checkpoint follows its step's acknowledgement
+            raise RequestError("bad_request", f"resume_step {req.resume_step}: expected 0 .. {acknowledged}, the last "
+                                              f"step of {req.policy} this rank acknowledged")
         replay_steps = self.buffers[req.policy].trainer_restarted(req.resume_step)
         self.trainers[req.policy] = {"hardware": req.hardware, "partition": req.partition,
                                      "world": req.world, "resume_step": req.resume_step, "since": time.time()}
@@ -455,9 +562,8 @@ class DataflowState:
 
     def _batch(self, req: m.Batch, now: float) -> m.BatchReply | None:
         self._check_policies([req.policy])
-        if req.n < 1 or req.world < 1 or not 0 <= req.rank < req.world:
-            raise RequestError("bad_request", "need n >= 1 and 0 <= rank < world")
         buf = self.buffers[req.policy]
+        self._check_batch(req, buf)
         replay = req.step in buf.consumed
         ids = buf.consumed.get(req.step) or buf.served.get(req.step)
         if ids is None:
@@ -471,6 +577,8 @@ class DataflowState:
             if ids is None:
                 self.starving.setdefault(req.policy, (now, dict(buf.counts)))  # see _warn_starving
                 return None
+            # journalled: after a restart of the rank the trainer acknowledges exactly these
+            self.journal.append("served", policy=req.policy, step=req.step, ids=ids)
         if replay:
             buf.counts["replayed"] += len(ids)
         infos = [buf.samples[sid] for sid in ids[req.rank::req.world]]
@@ -484,10 +592,39 @@ class DataflowState:
             group_std=np.array([i.group_std for i in infos], np.float32),
             generated_reward_mean=generated_mean, generated_count=generated_count)
 
+    def _check_batch(self, req: m.Batch, buf: PolicyBuffer) -> None:
+        """Counts, steps and versions within what the rank knows: one request for n=10**6
+        parked forever and was retried every turn, one for version 2**62 dropped the whole
+        buffer as stale. The server parks one request per (policy, step, rank), so at most
+        trainer.world x STEPS_AHEAD per policy."""
+        most = max(buf.capacity, self.cfg.trainer_for(req.policy).batch_size)
+        world = self.cfg.trainer.world
+        if not 1 <= req.n <= most:
+            raise RequestError("bad_request", f"n {req.n}: expected 1 .. {most} (buffer_capacity, batch_size)")
+        if not 1 <= req.world <= world or not 0 <= req.rank < req.world:
+            raise RequestError("bad_request", f"rank {req.rank} of world {req.world}: expected 0 <= rank < world "
+                                              f"<= trainer.world ({world})")
+        newest = max(self.weights.latest(req.policy)[0], 0) + 1
+        if not 0 <= req.version <= newest:
+            raise RequestError("bad_request", f"version {req.version}: expected 0 .. {newest}, one past the newest "
+                                              f"published version")
+        last = buf.trainer_step + STEPS_AHEAD
+        if req.step not in buf.consumed and req.step not in buf.served and not 1 <= req.step <= last:
+            raise RequestError("bad_request", f"step {req.step}: expected a step already served, or 1 .. {last} "
+                                              f"(at most {STEPS_AHEAD} past the last acknowledged step)")
+
     def _payload(self, info: SampleInfo) -> tuple[m.TrajectoryBatch, int]:
         """Where a sample's trajectory is in memory; read back from its shard if it is not."""
         if info.payload is None:
-            rec = self.store.read(info.loc)
+            try:
+                rec = self.store.read(info.loc)
+            except ShardCorrupt as e:
+                # written now: the restart must learn of it, and nothing else is acknowledged
+                self.journal.append("damaged", shard=e.path.name, why=e.why, time=time.time())
+                self.journal.flush()
+                raise ShardDamaged(f"{e.path.name} cannot be read back ({e.why}); recorded in the journal: the "
+                                   f"rank stops and its restart quarantines the shard (its tasks are handed "
+                                   f"out again)") from None
             traj = m.Trajectory(rec["policy"], rec["tokens"], rec["logprobs"], rec["loss_mask"], rec["versions"],
                                 rec["token_policy"], rec["reward"], rec["episode_id"], rec["group_id"], rec["gen_s"],
                                 rec["meta"])
@@ -507,6 +644,10 @@ class DataflowState:
 
     def _published(self, req: m.Published, now: float) -> m.Ok:
         self._check_policies([req.policy])
+        newest = max(self.weights.latest(req.policy)[0], 0) + 1
+        if not 0 <= req.version <= newest:  # versions are published in order, one per step
+            raise RequestError("bad_request", f"version {req.version}: expected 0 .. {newest}, one past the newest "
+                                              f"published version")
         self.weights.publish(req.policy, req.version, req.uri, req.pinned, req.full, req.base)
         self.buffers[req.policy].trainer_version = req.version
         self.journal.append("published", policy=req.policy, version=req.version, uri=req.uri,

@@ -3,14 +3,15 @@
 Schema (schema_version 1), consumed by `astraflow inspect`, `astraflow status` and the
 elastic controller:
     schema_version, time, uptime_s, incarnation
-    workers:  alive, dead, by_partition{p: n}, list[{id, alive, partition, hardware, host, pid, base,
+    workers:  alive, dead (in the last 5 minutes: then forgotten), by_partition{p: n},
+              list[{id, alive, partition, hardware, host, pid, base,
               draining, policies, leases, trajectories, tokens, trajectories_per_s,
               tokens_per_s, versions}]
     tasks:    created, queued, leased, done, requeued, exhausted, skipped (prompt selection)
     policies: {name: {stored, served, consumed, dropped_stale, filtered, replayed, unused, buffered,
               latest_version, trainer_step, trainer_wait_fraction, trainer}}
     throughput: {per_partition: {p: {trajectories_per_s, tokens_per_s}}}
-    store:    active_shard, quarantined[], lost_samples
+    store:    active_shard, quarantined[], torn_rows{shard: rows of a torn tail, ignored}, lost_samples
     protocol: {counters: {request kind or error code: n}}
     process:  cpu_user_s, cpu_sys_s, peak_rss_mb (of the dataflow rank)
 Rates and `trainer_wait_fraction` are over the last `dataflow.status_window_s` seconds.
@@ -98,7 +99,7 @@ def build_status(state: "DataflowState", now: float) -> dict[str, Any]:
         "policies": policies,
         "throughput": {"per_partition": dict(part_rates)},
         "store": {"active_shard": state.store.active_shard, "quarantined": list(state.store.quarantined),
-                  "lost_samples": state.lost_samples,
+                  "torn_rows": dict(state.store.torn_rows), "lost_samples": state.lost_samples,
                   "payload_cache_mb": cached_mb(state.buffers.values())},
         "protocol": {"counters": dict(state.counters)},
         "process": _process_usage(),

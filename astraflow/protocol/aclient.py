@@ -49,11 +49,10 @@ class AsyncClient:
 
     async def _read(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
-            try:
-                env, reply = self.codec.reply(frames)
-            except Exception:  # noqa: BLE001 - a bad reply is dropped like an unknown one
-                continue
+            got = self.codec.try_reply(await self.sock.recv_multipart())
+            if got is None:
+                continue  # badly signed or malformed: dropped and counted in codec.dropped
+            env, reply = got
             fut = self._pending.pop(env.seq, None) if env.client_id == self.client_id else None
             if fut is not None and not fut.done():
                 fut.set_result(reply)

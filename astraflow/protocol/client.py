@@ -8,7 +8,8 @@ dataflow rank that restarted on another port or node.
 Requests are not retried here: the caller decides, because only it knows which requests are
 idempotent (commit by task id, batch by step, ...). A reply to an abandoned request (one
 whose `call` timed out) is recognised by its seq and dropped; a caller that `send`s without
-collecting the reply must `abandon` it, or its reply is kept until it does.
+collecting the reply must `abandon` it, or its reply is kept until it does. A reply that
+fails verification is dropped too (counted in `codec.dropped`), never raised.
 """
 from __future__ import annotations
 
@@ -103,7 +104,10 @@ class Client:
             left = max(0.0, deadline - time.monotonic())
             if not self.sock.poll(int(left * 1000)):
                 return None
-            env, reply = self.codec.reply(self.sock.recv_multipart())
+            got = self.codec.try_reply(self.sock.recv_multipart())
+            if got is None:
+                continue  # badly signed or malformed: dropped and counted in codec.dropped
+            env, reply = got
             if env.client_id == self.client_id and env.seq in self._outstanding:
                 self._outstanding.discard(env.seq)
                 self._replies[env.seq] = reply

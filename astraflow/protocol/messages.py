@@ -24,9 +24,9 @@ import numpy as np
 
 from astraflow.protocol.wire import array_field
 
-# 2: lease and commit replies carry `latest`; 3: `Stopped`; 4: chat tasks; 5: `Published`
-# says whether a version is a delta and on which version it depends (`full`, `base`)
-PROTOCOL_VERSION = 5
+# 2: lease and commit replies carry `latest`; 3: `Stopped`; 4: signed header + body frames; 5: chat tasks;
+# 6: `Published` says whether a version is a delta and on which version it depends (`full`, `base`)
+PROTOCOL_VERSION = 6
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ the worker's own ledger, which audits compare with the shards.
 
 Invariant: a commit is retried until acknowledged (the dataflow rank recognises a repeat by
 task id), so a trajectory is lost only if this process dies before it is acknowledged — and
-then its task's lease expires and the task is handed out again.
+then its task's lease expires and the task is handed out again — or if the task was handed
+to another worker while this one was silent past its lease (`not_holder`: the other's
+commit is the one that counts).
 """
 from __future__ import annotations
 
@@ -111,15 +113,22 @@ class RolloutWorker:
         self.engine_load_s = 0.0
         self.newer_weights = asyncio.Event()  # a reply said a newer version is out: load it now
         self.hardware = ""  # described once the engines are built: torch must load after OMP_NUM_THREADS is set
+        self.registering = asyncio.Lock()  # one registration at a time (see rpc)
 
     # ------------------------------------------------------------- plumbing
     async def rpc(self, make: Callable[[], Any]) -> Any:
-        """Call until answered: follow a restarted rank, register again when forgotten."""
+        """Call until answered: follow a restarted rank, register again when forgotten — once,
+        however many calls in flight learn of it: each registration ends the incarnation
+        before it (and hands back its leases), so one per call made them end each other in a
+        cascade (36 incarnations for 8 calls)."""
         while True:
+            request = None
             try:
-                if not self.worker_id:
-                    await self.register()
-                reply = await self.client.call(make())
+                async with self.registering:
+                    if not self.worker_id:
+                        await self.register()
+                request = make()
+                reply = await self.client.call(request)
                 self.notice(getattr(reply, "latest", {}))
                 return reply
             except TimeoutError:
@@ -129,7 +138,8 @@ class RolloutWorker:
             except RemoteError as e:
                 if e.code != "unknown_worker":
                     raise
-                self.worker_id = ""
+                if getattr(request, "worker_id", None) == self.worker_id:
+                    self.worker_id = ""  # this incarnation is forgotten, not an older one
             await asyncio.sleep(0.1)
 
     async def register(self) -> None:
@@ -229,7 +239,14 @@ class RolloutWorker:
             self._free_slot(task.task_id)
         self.failing = 0
         batch = m.TrajectoryBatch.from_trajectories(trajs)
-        reply = await self.rpc(lambda: m.Commit(self.worker_id, task.task_id, batch, self.versions()))
+        try:
+            reply = await self.rpc(lambda: m.Commit(self.worker_id, task.task_id, batch, self.versions()))
+        except RemoteError as e:
+            if e.code != "not_holder":
+                raise
+            # this worker was silent past its lease (hung, cut off) and the task went to another
+            log.warning("task %d: leased to another worker meanwhile; this episode is dropped", task.task_id)
+            return
         self.committed += 1
         # the worker's own ledger of acknowledged commits, independent of the rank's journal
         self.acks.write(json.dumps({"task": task.task_id, "status": reply.status, "sids": reply.sample_ids}) + "\n")

@@ -10,22 +10,54 @@ ZeroMQ protocol and the run directory.
 
 Objects travel as JSON bytes (never pickle), and waiting ranks poll non-blocking requests
 with sleeps so that they do not spin a core while rank 0 warms up the model.
+
+MPICH starts on its OFI netmod with libfabric's tcp provider (`STARTUP_ENV`, for `MPI_Init`
+only, where the user has not chosen). `MPI_Init` exchanges each rank's business card through
+Slurm's pmi2 plugin as PMI-1 `put` lines, and that plugin (Slurm 22.05,
+`src/plugins/mpi/pmi2/pmi1.c`) takes a request in one `read()` of at most 1024 bytes while
+it grants values of up to 1024 bytes. A longer line reaches it in two pieces, both rejected
+("value not properly terminated", "request not begin with 'cmd='"): the value is lost and
+the peers' `MPI_Init` fails, or, when the rank's next request is already queued behind the
+tail, that request is swallowed too and the rank waits forever for its answer. The UCX
+netmod's card is always 4096 bytes (the worker address and the heap memory after it), put in
+9 segments whose lines, up to 1078 bytes, vary with that heap from one process to the next;
+the OFI card is the endpoint's name, at most 64 bytes (`FI_NAME_MAX`), one line of ~70.
+libfabric's default provider here, `sockets`, now and then never completes the exchange
+between two ranks on one node (5 of 60 busy start-ups hung; `tcp`: 0 of 60). The settings
+are undone once MPI is up: the components must not inherit them (NCCL's OFI plugin, for one,
+reads `FI_PROVIDER`).
 """
 from __future__ import annotations
 
 import json
+import os
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 GATHER_BYTES = 1024  # per rank, for the all-gather of (role, partition, node)
 POLL_S = 0.05
+# MPICH and libfabric settings for MPI_Init (see above); a value the user exported wins
+STARTUP_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 
 
 def _wait(request: Any) -> None:
     while not request.Test():
         time.sleep(POLL_S)
+
+
+@contextmanager
+def startup_env() -> Iterator[None]:
+    """`STARTUP_ENV` where the environment does not set it, removed again on leaving."""
+    added = [name for name in STARTUP_ENV if name not in os.environ]
+    os.environ.update({name: STARTUP_ENV[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            del os.environ[name]
 
 
 def bcast_json(comm: Any, obj: Any, root: int = 0) -> Any:
@@ -57,7 +89,8 @@ def bootstrap(me: dict, lead: Callable[[list[dict]], dict]) -> tuple[list[dict],
     import mpi4py
 
     mpi4py.rc.finalize = False  # finalized explicitly below, while every rank is alive
-    from mpi4py import MPI
+    with startup_env():
+        from mpi4py import MPI  # MPI_Init
 
     comm = MPI.COMM_WORLD
     try:

@@ -9,9 +9,10 @@ nothing on variable-length HDF5 types, and SWMR forbids creating anything once w
 starts). File attributes (`schema_version`, `policy_names`, `created`) are written before
 SWMR mode is switched on and never after.
 
-The writer appends token data before the row table, so a row is only ever visible once the
-data it points to is in the file; a row whose data is missing (a writer killed mid-flush on
-a filesystem that reorders writes) marks the shard corrupt.
+The writer appends and flushes token data before the row table, so a row is only ever
+visible once the data it points to is in the file. Rows that point at nothing (a write cut
+short: rows of zeros, rows past the data) end a shard's good rows: readers treat them as a
+torn tail (reader.py).
 """
 from __future__ import annotations
 

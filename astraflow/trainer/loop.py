@@ -144,8 +144,6 @@ class Trainer:
                 break
             if row is None:
                 break
-            if self.rank == 0:
-                self.record(row)
         if self.board is not None:
             self.board.close()
         if self.stop and self.rank == 0:
@@ -186,18 +184,22 @@ class Trainer:
         stats = self.backend.train_step(reply, step, lr)
         self.step = step
         ids = self._all_sample_ids(reply)
+        n = len(reply.sample_ids)
+        row = {"step": step, "time": time.time(), "reward_mean": reply.generated_reward_mean,
+               "reward_trained": float(reply.trajectories.reward.mean()), "generated": reply.generated_count,
+               "samples": n * self.world, "tokens": int(reply.trajectories.lengths.sum()) * self.world,
+               "wait_s": wait, "train_s": time.perf_counter() - t0 - wait, "lr": lr, **stats}
         if self.rank == 0:
+            # the metrics row before `Consumed`: killed in between, the step is replayed and its
+            # rows merged; killed after `Consumed` with the row unwritten, the step was lost to them
+            self.record(row)
             self.call(m.Published(self.policy, step, self.publish(step), checkpoint_steps(self.ckpt_dir)))
             self.call(m.Consumed(self.policy, step, ids))
             with open(self.run.path / "metrics" / f"{self.policy}.consumed.jsonl", "a") as ledger:
                 ledger.write(json.dumps({"step": step, "ids": ids}) + "\n")  # the trainer's own ledger
             if step % self.tcfg.checkpoint_every == 0 or step == self.tcfg.steps:
                 self.checkpoint(step)  # after the acknowledgement: see the invariant above
-        n = len(reply.sample_ids)
-        return {"step": step, "time": time.time(), "reward_mean": reply.generated_reward_mean,
-                "reward_trained": float(reply.trajectories.reward.mean()), "generated": reply.generated_count,
-                "samples": n * self.world, "tokens": int(reply.trajectories.lengths.sum()) * self.world,
-                "wait_s": wait, "train_s": time.perf_counter() - t0 - wait, "lr": lr, **stats}
+        return row
 
     def checkpoint(self, step: int) -> None:
         self.backend.save(self.ckpt_dir, step)

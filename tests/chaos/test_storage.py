@@ -1,19 +1,26 @@
-"""Storage failures: the run directory's filesystem fills up; a shard is truncated and a
-weight file overwritten with garbage while the run is stopped. Real files on a real
-size-limited tmpfs (root needed: without it they skip, and under CI=true fail, `tests/ci_skips.py`)."""
+"""Storage failures: the run directory's filesystem fills up (a whole run; the rank's own
+flush with no margin left); a shard is truncated and a weight file overwritten with garbage
+while the run is stopped. Real files on a real size-limited tmpfs (root needed: without it
+they skip, and under CI=true fail, `tests/ci_skips.py`)."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from astraflow.analysis.audit import lineage
+from astraflow.analysis.audit import audit, lineage
+from astraflow.bench.payload import random_trajectory
+from astraflow.dataflow.state import DataflowState, StoreFull
+from astraflow.protocol import messages as m
 from astraflow.store.reader import ShardCorrupt, ShardReader, iter_shards, load_rows
 from tests.chaos.harness import check_ledgers_and_audit, finish, resume, start, wait_steps
+from tests.conftest import make_run
 
 pytestmark = pytest.mark.chaos
 
@@ -40,6 +47,45 @@ def fill(directory: Path) -> Path:
         except OSError:
             pass
     return filler
+
+
+def commit_group(state: DataflowState, worker: str, task: int, tokens: int) -> None:
+    rng = np.random.default_rng(task)
+    trajs = [random_trajectory(rng, "policy", tokens, prompt_tokens=2, reward=float(i % 2), group_id=task)
+             for i in range(4)]
+    reply = state.handle(m.Commit(worker, task, m.TrajectoryBatch.from_trajectories(trajs)))
+    assert getattr(reply, "status", None) == "stored", reply
+
+
+def test_with_no_margin_a_turn_that_does_not_fit_never_reaches_hdf5(small_fs):
+    """`store.min_free_mb: 0`: the guard still holds for what the turn staged. Without it HDF5
+    ran out of space inside a flush, the rank died of SIGSEGV and left rows of zeros."""
+    run = make_run(small_fs, ["store.min_free_mb=0", "tasks.group_size=4"])
+    state = DataflowState(run.path, run.config)
+    state.recover()
+    worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 4)).worker_id
+    tasks = [t.task_id for t in state.handle(m.Lease(worker, 3)).tasks]
+    commit_group(state, worker, tasks[0], tokens=1000)
+    state.flush()
+    filler = small_fs / "filler"
+    filler.write_bytes(b"\0" * (shutil.disk_usage(small_fs).free - (2 << 20)))  # 2 MB left
+    commit_group(state, worker, tasks[1], tokens=100_000)  # 4 x 100k tokens: 5.6 MB staged
+    with pytest.raises(StoreFull, match=r"MB free .* this turn writes up to"):
+        state.flush()
+    state.close()  # drops what was never acknowledged instead of writing it into the full disk
+    filler.unlink()
+    (shard,) = iter_shards(run.path)
+    reader = ShardReader(shard)
+    assert (reader.n_rows, reader.torn) == (4, 0)  # the flushed group, nothing of the refused one
+    reader.close()
+    state = DataflowState(run.path, run.config)
+    state.recover()
+    assert state.tasks.done == {tasks[0]} and not state.store.quarantined
+    worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 4)).worker_id  # the new rank forgot it
+    commit_group(state, worker, tasks[1], tokens=100_000)  # the worker's retry, now that there is room
+    state.flush()
+    state.close()
+    assert audit(run.path)["ok"] and len(load_rows(run.path)) == 8
 
 
 def test_full_filesystem_stops_the_run_cleanly_and_it_resumes_when_there_is_room(tmp_path, small_fs):
@@ -102,3 +148,35 @@ def test_truncated_shard_and_garbage_weights_are_detected_and_handled(tmp_path):
     assert json.loads(out[out.index("{"):])["steps"] == 30
     report = check_ledgers_and_audit(run_dir, lost_shards=True)
     assert report["regenerated"] >= len(trained_tasks)  # trained samples gone, their tasks done again
+
+
+def test_a_journal_deleted_mid_run_stops_the_rank_and_the_rescued_copy_resumes_the_run(tmp_path):
+    """Deleted mid-run, the journal went unnoticed: the rank wrote into the deleted file, its
+    restart began a new journal, and audit said ok while the trainer's ledger showed steps
+    missing and samples trained twice. Now the rank stops at its next journal write, rescuing
+    what it held; its restart refuses to start without it; audit is not ok; and once the
+    rescued copy is moved back the run resumes and finishes with audit ok."""
+    proc, run_dir = start(tmp_path, steps=12, extra=["launcher.max_restarts=1"])
+    journal = run_dir / "journal" / "journal.jsonl"
+    try:
+        wait_steps(proc, run_dir, 3)
+        journal.unlink()
+        out, err = finish(proc, timeout_s=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    last = err.strip().splitlines()[-1]  # one line naming the component and the cause (its tail)
+    assert last.startswith("astraflow run: dataflow failed") and "journal.jsonl" in last, last
+    rank_log = (run_dir / "logs" / "dataflow.log").read_text()
+    assert "(the run's journal) was deleted while the dataflow rank was writing it" in rank_log
+    assert "journal.jsonl is missing or empty but shard-" in rank_log  # and the restart refused
+    report = audit(run_dir)
+    assert not report["ok"] and report["ledgers"]["steps_missing_from_journal"] >= 3, report
+    (rescued,) = journal.parent.glob("journal.jsonl.rescued-*")
+    os.replace(rescued, journal)
+    proc = resume(run_dir)
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out[out.index("{"):])["steps"] == 12
+    check_ledgers_and_audit(run_dir)

@@ -4,7 +4,8 @@ It leases tasks, commits a group of random trajectories per task and appends eve
 acknowledgement to a ledger file (one JSON line per ack, flushed), the client-side record
 the tests compare with the shards. It follows a restarted dataflow rank (new address in the
 rendezvous file) and re-registers when the rank no longer knows it. Commits are retried
-until acknowledged; the dataflow rank recognises a retried commit by task id.
+until acknowledged (the dataflow rank recognises a retried commit by task id), or dropped
+when the task went to another worker meanwhile (`not_holder`, after a restart of the rank).
 
     python -m tests.integration.scripted_worker RUN_DIR --base w1 --ledger FILE [--hold-after N]
 """
@@ -74,7 +75,12 @@ def main() -> None:
                 trajs = m.TrajectoryBatch.from_trajectories(
                     [random_trajectory(rng, "policy", args.tokens, prompt_tokens=4, group_id=task.task_id)
                      for _ in range(task.group_size)])
-                ack = w.call(lambda: m.Commit(w.worker_id, task.task_id, trajs))
+                try:
+                    ack = w.call(lambda: m.Commit(w.worker_id, task.task_id, trajs))
+                except RemoteError as e:
+                    if e.code != "not_holder":
+                        raise
+                    continue  # leased again, to another worker, after the rank restarted: its commit counts
                 ledger.write(json.dumps({"task": task.task_id, "status": ack.status, "sids": ack.sample_ids,
                                          "crc": [x["crc"] for x in trajs.meta]}) + "\n")
                 ledger.flush()

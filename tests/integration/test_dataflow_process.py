@@ -1,6 +1,7 @@
 """The dataflow rank as a real process, with real worker processes and trainer clients."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import signal
@@ -15,7 +16,7 @@ import zmq
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import Codec, RemoteError
 from astraflow.bench.payload import random_trajectory
-from tests.conftest import REPO, DataflowProcess, client, make_run, register
+from tests.conftest import REPO, DataflowProcess, client, make_run, register, trained_run_dir
 from tests.integration.helpers import assert_exactly_once, read_ledger, start_worker, stored
 
 pytestmark = pytest.mark.integration
@@ -84,9 +85,9 @@ def test_expired_lease_is_handed_out_again_and_renewed_lease_is_not(tmp_path):
             assert a.call(m.Renew(wa, [kept.task_id])).renewed == [kept.task_id]
         got = b.call(m.Lease(wb, 1)).tasks
         assert [t.task_id for t in got] == [dropped.task_id]
-        late = a.call(m.Commit(wa, dropped.task_id, batch_for(dropped)))  # a's lease expired, nobody committed yet
-        assert late.status == "stored"
-        assert b.call(m.Commit(wb, dropped.task_id, batch_for(dropped))).status == "duplicate"
+        with pytest.raises(RemoteError, match="not_holder"):  # a's lease expired and b holds the task now
+            a.call(m.Commit(wa, dropped.task_id, batch_for(dropped)))
+        assert b.call(m.Commit(wb, dropped.task_id, batch_for(dropped))).status == "stored"
         assert a.call(m.Renew(wa, [dropped.task_id])).lost == [dropped.task_id]
     finally:
         df.stop()
@@ -193,9 +194,9 @@ def test_hostile_input_is_rejected_and_service_continues(tmp_path):
         codec = Codec(secret)
         attempts = {
             "garbage": [b"\x00\xff garbage"],
-            "junk frames": [b"a", b"b", b"c"],
+            "junk frames": [b"a", b"b", b"c", b"d"],  # not the three of a message
             "wrong signature": Codec(b"x" * 32).pack(m.Status(), b"r" * 16, 1),
-            "unsigned": [codec.pack(m.Status(), b"r" * 16, 2)[0], b""],
+            "unsigned": [codec.pack(m.Status(), b"r" * 16, 2)[0], b"", codec.pack(m.Status(), b"r" * 16, 2)[2]],
             # over the 1 MiB limit: counted and dropped by the codec
             "oversized": codec.pack(m.Heartbeat("w", {"x" * (3 << 19): 1}), b"r" * 16, 3),
             # over twice the limit: ZeroMQ drops the connection before buffering it
@@ -230,3 +231,79 @@ def test_bad_config_names_the_key(tmp_path):
     assert out.returncode == 2
     assert f"{bad}:2: dataflow.lease_seconds: unknown key" in out.stderr
     assert not (tmp_path / "r").exists()  # nothing was created for a config that does not validate
+
+
+def test_a_config_that_no_longer_matches_the_stored_data_stops_the_rank_with_one_line(tmp_path):
+    """A policy renamed in an existing run's config.yaml: the rank exits 1 with one line naming
+    the shard and both policy lists, and moves nothing (it used to quarantine every shard)."""
+    run_dir = trained_run_dir(tmp_path)
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("- name: policy\n", "- name: solver\n"))
+    shards = sorted(p.relative_to(run_dir) for p in (run_dir / "shards").rglob("*.h5"))
+    out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "dataflow", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("astraflow dataflow: error: ") and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"{run_dir}/shards/shard-000000.h5 stores policies ['policy'] but the run's config names ['solver']" in last
+    assert sorted(p.relative_to(run_dir) for p in (run_dir / "shards").rglob("*.h5")) == shards
+
+
+def test_a_forgotten_worker_registers_once_however_many_calls_learn_of_it(tmp_path):
+    """Declared dead (silent past the heartbeat timeout), a rollout worker with 8 calls in
+    flight registers again once: each registration ends the incarnation before it, so one per
+    call made them end each other, and hand back each other's leases, in a cascade."""
+    from astraflow.protocol.aclient import AsyncClient
+    from astraflow.rollout.worker import RolloutWorker
+
+    run = make_run(tmp_path, ["dataflow.heartbeat_timeout_s=0.5"])
+    df = DataflowProcess(run)
+    info = df.start()
+    worker = RolloutWorker(run, ["policy"], "w", engines={})
+
+    async def scenario() -> None:
+        worker.client = AsyncClient(info["address"], run.read_secret(), timeout_s=5)
+        await worker.rpc(lambda: m.Heartbeat(worker.worker_id))  # registers
+        await asyncio.sleep(1.5)  # declared dead meanwhile
+        await asyncio.gather(*(worker.rpc(lambda: m.Heartbeat(worker.worker_id)) for _ in range(8)))
+        worker.client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        df.stop()
+    assert worker.worker_id == "w.r1"
+
+
+def test_a_message_captured_before_a_restart_of_the_rank_is_not_executed_after_it(tmp_path):
+    """Replay protection remembered sequence numbers in memory only: a signed Register captured
+    on the wire was executed again, once, by the restarted rank (a new incarnation of its
+    worker, whose leases it handed back). Now a message signed before the rank started is
+    dropped unanswered (an honest client's retry is signed afresh)."""
+    run = make_run(tmp_path)
+    df = DataflowProcess(run)
+    info = df.start()
+    ctx = zmq.Context.instance()
+    try:
+        sender = ctx.socket(zmq.DEALER)
+        sender.setsockopt(zmq.LINGER, 0)
+        sender.connect(info["address"])
+        captured = Codec(run.read_secret()).pack(m.Register(m.PROTOCOL_VERSION, "victim", ["policy"], 4), b"v" * 16, 1)
+        sender.send_multipart(captured)
+        assert sender.poll(5000)
+        sender.close(0)
+        time.sleep(1.5)  # the message is now older than the slack the restarted rank allows
+        df.kill(signal.SIGKILL)
+        info = df.start()
+        replayer = ctx.socket(zmq.DEALER)
+        replayer.setsockopt(zmq.LINGER, 0)
+        replayer.connect(info["address"])
+        replayer.send_multipart(captured)
+        assert not replayer.poll(1000)
+        replayer.close(0)
+        counters = client(run).call(m.Status()).status["protocol"]["counters"]
+    finally:
+        df.stop()
+    journal = [json.loads(line) for line in (run.path / "journal" / "journal.jsonl").read_text().splitlines()]
+    assert [e["worker"] for e in journal if e["ev"] == "register"] == ["victim.r0"]
+    assert counters["rejected_signed_before_start"] == 1

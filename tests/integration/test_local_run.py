@@ -138,16 +138,16 @@ def test_failed_preparation_stops_the_components_started_with_it(tmp_path):
     """Trainers and workers start with the model's preparation and wait for the model: when
     the preparation fails, the launcher names its log and stops every one of them."""
     run_dir = tmp_path / "run"
-    target = tmp_path / "missing" / "model"  # the built model cannot be moved there: its parent does not exist
-    overrides = [*OVERRIDES, f"model.path={target}", "warmup.steps=2", "tasks.warmup=8",
-                 f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
+    run_dir.mkdir()
+    (run_dir / "models").write_text("")  # a file where the warmed-up models go: the preparation fails there
+    overrides = [*OVERRIDES, "warmup.steps=2", "tasks.warmup=8", f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
     out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
                           "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1] == \
         f"astraflow run: model preparation failed; see {run_dir / 'logs' / 'prepare.log'}", out.stderr[-2000:]
-    assert "FileNotFoundError" in (run_dir / "logs" / "prepare.log").read_text()
+    assert "NotADirectoryError" in (run_dir / "logs" / "prepare.log").read_text()
     assert all(not component_pids(run_dir, role) for role in ("dataflow", "train", "rollout", "eval"))
     for name in ("dataflow", "trainer-policy", "rollout-0", "rollout-1"):  # they had been started
         assert (run_dir / "logs" / f"{name}.log").read_text().startswith(f"--- start {name} "), name

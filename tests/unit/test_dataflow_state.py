@@ -1,11 +1,16 @@
 """The dataflow rank's state machine, driven directly with a controllable clock."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import time
+
 import numpy as np
 import pytest
 
 from astraflow.bench.payload import random_trajectory
 from astraflow.dataflow.state import DataflowState
+from astraflow.dataflow.workers import FORGET_AFTER_S
 from astraflow.launch import components
 from astraflow.protocol import messages as m
 from astraflow.store.reader import load_rows
@@ -37,8 +42,8 @@ def group(task_id: int, rewards: list[float], version: int = 0, tokens: int = 12
          for r in rewards])
 
 
-def register(state: DataflowState, base: str = "w") -> str:
-    return state.handle(m.Register(m.PROTOCOL_VERSION, base, ["policy"], 2, partition="cpu")).worker_id
+def register(state: DataflowState, base: str = "w", capacity: int = 2) -> str:
+    return state.handle(m.Register(m.PROTOCOL_VERSION, base, ["policy"], capacity, partition="cpu")).worker_id
 
 
 def test_expired_lease_goes_to_another_worker_and_late_commit_is_a_duplicate(env):
@@ -139,11 +144,11 @@ def test_a_guided_record_is_trained_but_not_counted_as_generated(tmp_path):
 
 def test_backpressure_and_stale_weights_stop_leases(env):
     run, state, clock = env
-    w = register(state)
+    w = register(state, capacity=8)
     state.buffers["policy"].capacity = 10
     got = state.handle(m.Lease(w, 5))
     assert len(got.tasks) == 2 and got.reason == "backpressure"  # 2 tasks x 4 samples fit in 10
-    state.handle(m.Published("policy", 5, "file:///nowhere/v5", []))
+    publish(state, 5)
     stale = state.handle(m.Lease(w, 1, versions={"policy": 2}))
     assert stale.tasks == [] and stale.reason == "stale_weights"
 
@@ -152,6 +157,7 @@ def test_staleness_bound_at_consumption_counts_drops(env):
     run, state, clock = env
     w = register(state)
     t1, t2 = state.handle(m.Lease(w, 2)).tasks
+    publish(state, 4)
     state.handle(m.Commit(w, t1.task_id, group(t1.task_id, [0, 1, 0, 1], version=0)))
     state.handle(m.Commit(w, t2.task_id, group(t2.task_id, [0, 1, 0, 1], version=3)))
     state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
@@ -237,7 +243,7 @@ def test_quarantined_shard_tasks_are_handed_out_again(tmp_path):
     run = make_run(tmp_path, ["tasks.group_size=2", "store.shard_max_mb=0.0001"])  # one shard per flush
     state = DataflowState(run.path, run.config, clock=Clock())
     state.recover()
-    w = register(state)
+    w = register(state, capacity=3)
     tasks = state.handle(m.Lease(w, 3)).tasks
     for t in tasks:
         state.handle(m.Commit(w, t.task_id, group(t.task_id, [0, 1])))
@@ -316,7 +322,7 @@ def test_lease_and_commit_replies_name_the_newest_weights(env):
     w = register(state)
     reply = state.handle(m.Lease(w, 1))
     assert reply.latest == {"policy": -1}  # nothing published yet
-    state.handle(m.Published("policy", 3, "file:///nowhere/v3", []))
+    publish(state, 3)
     (task,) = reply.tasks
     assert state.handle(m.Commit(w, task.task_id, group(task.task_id, [0, 1, 0, 1]))).latest == {"policy": 3}
     state.handle(m.Published("policy", 4, "file:///nowhere/v4", []))
@@ -333,5 +339,231 @@ def test_a_stopped_trainer_is_shown_until_it_is_ready_again(env):
     assert status()["policies"]["policy"]["trainer"]["stopped_step"] == 7
     assert components.trainers_stopped(run, status())
     assert state.handle(m.Stopped("nobody", 7)).code == "bad_request"
-    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 7))  # its requeued successor
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))  # its requeued successor
     assert not components.trainers_stopped(run, status())
+
+
+def altered(batch: m.TrajectoryBatch, **columns) -> m.TrajectoryBatch:
+    """`batch` with some columns replaced (a worker's bug or an insider's forgery)."""
+    return m.TrajectoryBatch(**{**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}, **columns})
+
+
+def test_commit_content_is_checked_before_anything_is_stored(env):
+    """Out-of-vocabulary ids, NaN/Inf rewards and logprobs, impossible versions, a loss mask
+    of 255, over-long trajectories and oversized commits are refused, naming the field; the
+    vocabulary is read from the model's config.json when the first commit arrives (the model
+    is prepared while the rank starts), and the run carries on with good commits."""
+    run, state, clock = env
+    model = run.path / "model"  # base_model_dir: no model.path configured
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 320, "max_position_embeddings": 512}))
+    w = register(state)
+    (task,) = state.handle(m.Lease(w, 1)).tasks
+    tid = task.task_id
+    good = m.TrajectoryBatch.from_trajectories(
+        [dataclasses.replace(t, tokens=t.tokens % 320) for t in (group(tid, [0, 1, 0, 1]).trajectory(i) for i in range(4))])
+    big = np.array(good.tokens)
+    big[5] = 10**9
+    nan_reward = np.array(good.reward)
+    nan_reward[2] = np.nan
+    inf_logprob, positive_logprob = np.array(good.logprobs), np.array(good.logprobs)
+    inf_logprob[7] = -np.inf
+    positive_logprob[good.offsets[1] + 6] = 0.5  # a trained token (the first 4 are the prompt)
+    mask = np.array(good.loss_mask)
+    mask[9] = 255
+    versions = np.array(good.versions)
+    versions[8] = 2**31 - 1
+    long = m.TrajectoryBatch.from_trajectories([dataclasses.replace(
+        good.trajectory(0), **{c: np.resize(getattr(good.trajectory(0), c), 1 << 20) for c in m.TOKEN_FIELDS})])
+    many = m.TrajectoryBatch.from_trajectories([good.trajectory(0)] * 100_000)
+    bad = {"trajectories.tokens": altered(good, tokens=big), "trajectories.reward": altered(good, reward=nan_reward),
+           "trajectories.logprobs": altered(good, logprobs=inf_logprob),
+           "trajectories.loss_mask": altered(good, loss_mask=mask),
+           "trajectories.versions": altered(good, versions=versions),
+           "trajectories.lengths": long, "trajectories": many}
+    for field, batch in bad.items():
+        err = state.handle(m.Commit(w, tid, batch))
+        assert isinstance(err, m.Error) and err.code == "invalid_commit", (field, err)
+        assert f"{field}: " in err.message, (field, err.message)
+        assert state.counters[f"invalid_{field}"] == 1
+    err = state.handle(m.Commit(w, tid, altered(good, logprobs=positive_logprob)))
+    assert "trajectories.logprobs: trajectory 1, token 6: logprob 0.5 > 0 on a trained token" in err.message
+    assert "vocabulary [0, 320)" in state.handle(m.Commit(w, tid, altered(good, tokens=big))).message
+    assert state.handle(m.Commit(w, tid, good, versions={"policy": 2**31 - 1})).message.startswith(
+        f"commit of task {tid} refused, nothing stored: versions.policy: version 2147483647; expected -1 .. 0")
+    assert state.counters["error_invalid_commit"] == len(bad) + 3
+    assert state.next_sample_id == 0 and state.buffers["policy"].counts["stored"] == 0  # nothing half-stored
+    publish(state, 3)
+    newer = np.where(good.versions >= 0, 3, -1).astype(np.int32)
+    assert state.handle(m.Commit(w, tid, altered(good, versions=newer))).status == "stored"  # the run goes on
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+    served = state.handle(m.Batch("policy", 1, 4, version=3)).trajectories
+    assert int(served.tokens.max()) < 320 and np.isfinite(served.reward).all()
+
+
+def test_the_vocabulary_is_looked_for_until_the_model_is_there(env):
+    """Before the model exists, ids are only checked to be >= 0; the config.json that appears
+    later (prepared in parallel) is read at a later commit and kept."""
+    run, state, clock = env
+    w = register(state)
+    t1, t2 = state.handle(m.Lease(w, 2)).tasks
+    assert state.handle(m.Commit(w, t1.task_id, group(t1.task_id, [0, 1, 0, 1]))).status == "stored"
+    (run.path / "model").mkdir()
+    (run.path / "model" / "config.json").write_text(json.dumps({"vocab_size": 320}))
+    clock.t += 2
+    err = state.handle(m.Commit(w, t2.task_id, group(t2.task_id, [0, 1, 0, 1])))  # random ids up to 2**31
+    assert err.code == "invalid_commit" and "vocabulary [0, 320)" in err.message
+    (run.path / "model" / "config.json").unlink()
+    assert state.vocabulary.get(clock.t + 10) == 320  # kept
+
+
+def test_only_the_lease_holder_commits(env):
+    """A worker id that never registered, or another registered worker, cannot commit a task
+    leased to someone else (the holder would then get `duplicate`); a late commit from the
+    previous holder is accepted while nobody else holds the task, and refused once it does."""
+    run, state, clock = env
+    a, b = register(state, "a"), register(state, "b")
+    t1, t2 = state.handle(m.Lease(a, 2)).tasks
+    for intruder, code in (("ghost.r0", "unknown_worker"), (b, "not_holder")):
+        err = state.handle(m.Commit(intruder, t1.task_id, group(t1.task_id, [1, 1, 1, 0])))
+        assert isinstance(err, m.Error) and err.code == code, (intruder, err)
+    assert state.counters["error_not_holder"] == 1 and state.next_sample_id == 0
+    assert state.handle(m.Commit(a, t1.task_id, group(t1.task_id, [0, 1, 0, 1]))).status == "stored"
+    clock.t += 11  # a's lease on t2 expires; nobody holds t2 yet
+    state.tick()
+    assert state.handle(m.Commit(a, t2.task_id, group(t2.task_id, [0, 1, 0, 1]))).status == "stored"
+    (t3,) = state.handle(m.Lease(a, 1)).tasks
+    clock.t += 11
+    state.tick()
+    assert state.handle(m.Lease(b, 1)).tasks[0].task_id == t3.task_id  # re-handed to b
+    assert state.handle(m.Commit(a, t3.task_id, group(t3.task_id, [0, 1, 0, 1]))).code == "not_holder"
+    assert state.handle(m.Commit(b, t3.task_id, group(t3.task_id, [0, 1, 0, 1]))).status == "stored"
+    assert state.buffers["policy"].counts["stored"] == 12
+
+
+def publish(state: DataflowState, upto: int, policy: str = "policy") -> None:
+    """Versions 1..upto, in order, as a trainer publishes them."""
+    for v in range(1, upto + 1):
+        assert state.handle(m.Published(policy, v, f"file:///nowhere/v{v}", [])) == m.Ok()
+
+
+def test_counts_steps_and_versions_are_bounded_by_what_the_rank_knows(env):
+    """`Consumed` for a step never served marked the trainer finished for good (and was
+    journalled); `Lease(n=2**62)` never returned; `Batch(version=2**62)` dropped the whole
+    buffer as stale; `Batch(n=1e6)` parked forever. Each is bounded now, and refused with the
+    field named, and nothing changes."""
+    run, state, clock = env
+    w = register(state)
+    for t in state.handle(m.Lease(w, 2)).tasks:
+        state.handle(m.Commit(w, t.task_id, group(t.task_id, [0, 1, 0, 1])))
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+    buf = state.buffers["policy"]
+    refused = {
+        "never served": m.Consumed("policy", 10**9, []),
+        "consumed: other ids": m.Consumed("policy", 1, [0, 1]),
+        "batch version": m.Batch("policy", 1, 4, version=2**62),
+        "batch n": m.Batch("policy", 1, 10**6),
+        "batch world": m.Batch("policy", 1, 4, rank=999_999, world=10**6),
+        "batch step": m.Batch("policy", 10**9, 4),
+        "resume step": m.Ready(m.PROTOCOL_VERSION, "policy", 10**9),
+        "published version": m.Published("policy", 2**62, "file:///nowhere/huge", []),
+        "capacity": m.Register(m.PROTOCOL_VERSION, "greedy", ["policy"], 2**62),
+        "lease versions": m.Lease(w, 1, {"policy": 2**62}),
+        "heartbeat versions": m.Heartbeat(w, {"ghost": 0}),
+    }
+    for name, request in refused.items():
+        err = state.handle(request)
+        assert isinstance(err, m.Error) and err.code in ("bad_request", "conflict"), (name, err)
+    assert not buf.finished and buf.trainer_step == 0 and not buf.consumed
+    assert buf.counts["dropped_stale"] == 0 and buf.buffered == 8 and state.weights.latest("policy")[0] == -1
+    reply = state.handle(m.Lease(w, 2**62))  # at most the worker's registered capacity (2)
+    assert len(reply.tasks) == 2
+    ids = state.handle(m.Batch("policy", 1, 4)).sample_ids.tolist()
+    assert "was served 4 other samples" in state.handle(m.Consumed("policy", 1, ids[:3])).message
+    assert state.handle(m.Consumed("policy", 1, ids)) == m.Ok()
+    publish(state, 1)
+    assert state.handle(m.Batch("policy", 2, 4, version=1)) is not None  # the next step, the newest version
+
+
+def test_the_served_ledger_survives_a_restart(tmp_path):
+    """A step served before the rank restarted stays served (journalled): the trainer's
+    `Consumed` for it is accepted with exactly the served ids, its samples are not served to
+    another step meanwhile, and a `Consumed` for a step never served is refused."""
+    run = make_run(tmp_path, ["tasks.group_size=4"])
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    w = register(state, capacity=3)
+    for t in state.handle(m.Lease(w, 3)).tasks:
+        state.handle(m.Commit(w, t.task_id, group(t.task_id, [0, 1, 0, 1])))
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0))
+    ids = state.handle(m.Batch("policy", 1, 4)).sample_ids.tolist()
+    state.flush()
+    state.close()
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    buf = state.buffers["policy"]
+    assert buf.buffered == 8 and buf.served == {1: ids}
+    others = list(buf.ready)[:4]
+    assert state.handle(m.Consumed("policy", 2, others)).code == "conflict"  # never served
+    assert state.handle(m.Batch("policy", 1, 4)).sample_ids.tolist() == ids  # a retried request
+    assert state.handle(m.Consumed("policy", 1, ids)) == m.Ok()
+    assert sorted(state.handle(m.Batch("policy", 2, 8)).sample_ids.tolist()) == sorted(buf.served[2])
+    assert not set(buf.served[2]) & set(ids)
+    state.close()
+
+
+def test_registration_cost_does_not_grow_with_the_workers_registered(tmp_path):
+    """Each registration looked through every incarnation ever registered (10,000 ids took
+    68 s through the protocol): with 30,000 registered, one costs what it costs with none."""
+    def new_state(name: str) -> DataflowState:
+        (tmp_path / name).mkdir()
+        run = make_run(tmp_path / name)
+        state = DataflowState(run.path, run.config, clock=Clock())
+        state.recover()
+        return state
+
+    def cost(state: DataflowState) -> float:
+        best = float("inf")
+        for rep in range(3):
+            t0 = time.perf_counter()
+            for i in range(200):
+                register(state, f"new-{rep}-{i}")
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    empty, full = new_state("empty"), new_state("full")
+    for i in range(30_000):
+        full.workers.register(f"old-{i}", 0.0, policies=("policy",), capacity=1, hardware="", partition="", host="")
+    assert cost(full) < 4 * cost(empty)
+    empty.close()
+    full.close()
+
+
+def test_dead_workers_are_forgotten_after_a_grace_period_but_their_restart_counters_are_kept(env):
+    run, state, clock = env
+    for i in range(1000):
+        register(state, f"w{i}")
+    register(state, "w0")  # w0.r0 is replaced by w0.r1
+    clock.t += 31  # silent past the heartbeat timeout: all dead
+    state.tick()
+    status = state.handle(m.Status()).status["workers"]
+    assert (status["alive"], status["dead"]) == (0, 1001)  # listed for a while
+    clock.t += FORGET_AFTER_S
+    state.tick()
+    assert not state.workers.workers and state.handle(m.Status()).status["workers"]["dead"] == 0
+    assert register(state, "w0") == "w0.r2" and register(state, "w7") == "w7.r1"
+
+
+def test_an_unreadable_model_config_does_not_stop_commits(env, caplog):
+    run, state, clock = env
+    (run.path / "model").mkdir()
+    (run.path / "model" / "config.json").write_text("[1, 2]")  # JSON, but not a model's config
+    w = register(state)
+    for _ in range(3):
+        (task,) = state.handle(m.Lease(w, 1)).tasks
+        assert state.handle(m.Commit(w, task.task_id, group(task.task_id, [0, 1, 0, 1]))).status == "stored"
+        clock.t += 2
+    assert state.vocabulary.size is None
+    assert [r.getMessage() for r in caplog.records].count(
+        f"{run.path / 'model' / 'config.json'}: no positive integer vocab_size; until it is readable, token ids "
+        f"are only checked to be >= 0") == 1

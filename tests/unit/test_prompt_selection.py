@@ -73,6 +73,7 @@ def test_the_rank_skips_solved_prompts_weights_the_kept_ones_and_rebuilds_streak
     again = next(t for t in leased if state.source.index(t) == solved)
     clock.t += run.config.dataflow.lease_s + 1
     state.tick()  # every lease expires: `again` comes back as a late commit, with its weight
+    w = register(state)  # silent that long, the worker was declared dead too: it registers again
     state.handle(m.Commit(w, again, group(again, [1, 1, 1, 1])))  # filtered again: a streak of 2
     assert state.buffers["policy"].generated_reward()[0] == pytest.approx((4 + 2 + 2 * 4) / (4 + 4 + 2 * 4))
     state.flush()

@@ -1,8 +1,6 @@
 """HDF5 shards: round trip, rotation, SWMR reading, quarantine; the journal."""
 from __future__ import annotations
 
-import json
-
 import h5py
 import numpy as np
 import pytest
@@ -10,29 +8,8 @@ import pytest
 from astraflow.store.journal import Journal, replay
 from astraflow.store.reader import ShardCorrupt, ShardReader, load_rows
 from astraflow.store.shards import ShardStore
-from astraflow.store.writer import RowBatch, ShardWriter, StoreOptions, list_shards
-
-POLICIES = ("solver", "verifier")
-
-
-def make_batch(first_id: int, n: int, tokens: int = 50, seed: int = 0) -> RowBatch:
-    rng = np.random.default_rng(seed + first_id)
-    total = n * tokens
-    return RowBatch(
-        tokens={"tokens": rng.integers(0, 1 << 30, total, dtype=np.int32),
-                "logprobs": -rng.random(total, dtype=np.float32),
-                "loss_mask": rng.integers(0, 2, total).astype(np.uint8),
-                "versions": rng.integers(0, 5, total).astype(np.int32),
-                "token_policy": rng.integers(-1, 2, total).astype(np.int8)},
-        rows={"sample_id": np.arange(first_id, first_id + n, dtype=np.int64),
-              "task_id": np.full(n, first_id // n, np.int64), "episode_id": np.arange(n, dtype=np.int64),
-              "group_id": np.zeros(n, np.int64), "policy": (np.arange(n) % 2).astype(np.uint8),
-              "worker": np.full(n, b"w1", "S64"), "length": np.full(n, tokens, np.int32),
-              "reward": rng.random(n).astype(np.float32), "guided": (np.arange(n) == 2).astype(np.uint8),
-              "weight": np.ones(n, np.float32),
-              "gen_s": np.zeros(n, np.float32), "t_commit": np.full(n, 1.0), "version_min": np.zeros(n, np.int32),
-              "version_max": np.ones(n, np.int32), "version_at_commit": np.ones(n, np.int32)},
-        meta=[json.dumps({"i": first_id + i}).encode() for i in range(n)])
+from astraflow.store.writer import ShardWriter, StoreOptions, list_shards
+from tests.conftest import STORE_POLICIES as POLICIES, make_batch
 
 
 @pytest.mark.parametrize("compression", ["none", "lzf", "gzip"])
@@ -135,7 +112,7 @@ def test_truncated_and_garbage_shards_are_quarantined(tmp_path):
     store.close()
 
 
-def test_rows_pointing_past_their_data_mark_the_shard_corrupt(tmp_path):
+def test_rows_pointing_past_their_data_are_a_torn_tail_and_the_rows_before_them_are_kept(tmp_path):
     path = tmp_path / "shard-000000.h5"
     writer = ShardWriter(path, POLICIES, StoreOptions())
     writer.stage(make_batch(0, 4))
@@ -143,8 +120,36 @@ def test_rows_pointing_past_their_data_mark_the_shard_corrupt(tmp_path):
     assert ShardReader(path).n_rows == 4
     with h5py.File(path, "a") as f:  # token data lost under a row that was written
         f["logprobs"].resize((150,))
-    with pytest.raises(ShardCorrupt, match=r"row 3 points past the data of \['logprobs'\]"):
-        ShardReader(path)
+    reader = ShardReader(path)
+    assert (reader.n_rows, reader.torn) == (3, 1) and reader.rows()["sample_id"].tolist() == [0, 1, 2]
+
+
+def test_rows_of_zeros_after_a_write_cut_short_are_a_torn_tail(tmp_path):
+    """ENOSPC inside HDF5 left the row table extended over rows that were never written: they
+    read as zeros (sample 0, no tokens, offset 0). They are not records."""
+    store = ShardStore(tmp_path, POLICIES, StoreOptions())
+    for i in range(3):
+        store.append(make_batch(i * 4, 4))
+    store.close()
+    (path,) = list_shards(tmp_path)
+    with h5py.File(path, "a") as f:
+        f["rows"].resize((12 + 8,))
+    store = ShardStore(tmp_path, POLICIES, StoreOptions())
+    ((_, reader, rows),) = list(store.recover())
+    assert rows["sample_id"].tolist() == list(range(12)) and reader.torn == 8
+    assert store.torn_rows == {path.name: 8} and not store.quarantined
+    store.close()
+    df = load_rows(_run_of(tmp_path))
+    assert len(df) == 12 and df.attrs["torn"] == {path.name: 8}
+
+
+def test_a_row_of_no_tokens_is_refused_when_staged(tmp_path):
+    writer = ShardWriter(tmp_path / "shard-000000.h5", POLICIES, StoreOptions())
+    bad = make_batch(0, 2)
+    bad.rows["length"] = np.array([0, 100], np.int32)
+    with pytest.raises(ValueError, match="no tokens"):
+        writer.stage(bad)
+    writer.close()
 
 
 def test_journal_replay_ignores_torn_last_line(tmp_path):
