@@ -28,12 +28,12 @@ Delta = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (gaps, uint8; ne
 
 
 def make(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> Delta:
-    """What changed from `old` to `new` (same names, shapes and dtypes; tensors on any device)."""
+    """What changed from `old` to `new` (same names, shapes and dtypes), on `new`'s device."""
     if old.keys() != new.keys():
         raise ValueError(f"a delta needs the same tensors: {sorted(old.keys() ^ new.keys())[:5]} differ")
     out: Delta = {}
     for name, b in new.items():
-        a = old[name]
+        a = old[name].to(b.device)  # a resumed publisher's previous version was read on the CPU
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(f"{name}: {tuple(a.shape)} {a.dtype} -> {tuple(b.shape)} {b.dtype}: not a delta")
         flat = b.reshape(-1)

@@ -79,8 +79,8 @@ class Publisher:
         self.since_full = 0  # deltas published since the last full version
 
     def adopt(self, state_dict: dict[str, torch.Tensor], directory: Path) -> None:
-        """Continue from an existing publication (a resumed trainer whose checkpoint is that
-        version, checked by `check.py`): the next version may be a delta against it."""
+        """Continue from an existing publication (a resumed trainer: `state_dict` is that
+        version as `load_version` read and verified it): the next version may be a delta against it."""
         self.last = publishable(state_dict, self.dtype)
         self.last_manifest = read_manifest(directory)
         chain, m = 0, self.last_manifest

@@ -43,9 +43,11 @@ Step = tuple[Manifest, str]  # a version and the file to take it from: its full 
 class Update:
     version: int
     name: str  # the directory now held
-    how: str  # "delta" (from the held version), "full" (a full version and the deltas after it), "fallback"
+    how: str  # "delta" (from the held version), "full" (a full version and the deltas after it), "fallback", "held"
     bytes_read: int
     seconds: float
+    # the tensors that differ from the version held before (None: all of them, a full version was loaded)
+    changed: frozenset[str] | None = None
 
 
 class WeightReader:
@@ -59,24 +61,20 @@ class WeightReader:
     def version(self) -> int:
         return self.manifest.version if self.manifest else -1
 
-    def adopt(self, state: dict[str, torch.Tensor], manifest: Manifest) -> None:
-        """Hold weights that arrived another way (the collective channel), already verified."""
-        self.state, self.manifest = state, manifest
-
     def advance(self, target: Path) -> Update:
         """Hold the version in `target`, or the newest full version that loads; WeightsError if none does."""
         t0 = time.perf_counter()
         target = Path(target)
         if self.manifest is not None and target.name == self.manifest.name:
-            return Update(self.version, target.name, "held", 0, 0.0)
+            return Update(self.version, target.name, "held", 0, 0.0, frozenset())
         problem = ""
         try:
             for how, steps in self._plans(target):
                 if any(m.name in self.bad for m, _ in steps) or (how == "delta" and self.state is None):
                     continue  # found damaged by the way tried before, or that way lost the held weights
                 try:
-                    read = self._run(steps)
-                    return Update(self.version, self.manifest.name, how, read, time.perf_counter() - t0)
+                    read, changed = self._run(steps)
+                    return Update(self.version, self.manifest.name, how, read, time.perf_counter() - t0, changed)
                 except WeightsError as e:
                     problem = str(e)
                     log.warning("%s: %s; trying another way", target.name, problem)
@@ -127,16 +125,24 @@ class WeightReader:
         return total
 
     # ----------------------------------------------------------------- loading
-    def _run(self, steps: list[Step]) -> int:
-        """Load the steps in order (a full version first, or deltas on the held version)."""
-        read = 0
+    def _run(self, steps: list[Step]) -> tuple[int, frozenset[str] | None]:
+        """Load the steps in order (a full version first, or deltas on the held version): the
+        bytes read, and the tensors changed (None: all, a full version was loaded)."""
+        read, changed = 0, set()
         for m, file in steps:
             try:
-                read += self._load_full(m) if file == FULL_FILE else self._apply_delta(m)
+                if file == FULL_FILE:
+                    read += self._load_full(m)
+                    changed = None
+                else:
+                    n, names = self._apply_delta(m)
+                    read += n
+                    if changed is not None:
+                        changed |= names
             except WeightsError:
                 self.bad.add(m.name)
                 raise
-        return read
+        return read, None if changed is None else frozenset(changed)
 
     def _load_full(self, m: Manifest) -> int:
         path = self.dir / m.name / FULL_FILE
@@ -148,7 +154,7 @@ class WeightReader:
         self.state, self.manifest = state, m
         return path.stat().st_size
 
-    def _apply_delta(self, m: Manifest) -> int:
+    def _apply_delta(self, m: Manifest) -> tuple[int, set[str]]:
         if self.state is None or self.manifest is None or m.base != self.manifest.name:
             raise WeightsError(f"{m.name}: a delta on {m.base}, but {self.manifest and self.manifest.name} is held")
         path = self.dir / m.name / DELTA_FILE
@@ -174,7 +180,7 @@ class WeightReader:
             self.state = self.manifest = None  # patched but wrong: nothing held any more
             raise
         self.manifest = m
-        return len(data)
+        return len(data), set(delta)
 
     def _newest_full(self, target: Path, t0: float, problem: str) -> Update:
         limit = parse_name(target.name)

@@ -1,9 +1,8 @@
 """Tensors as raw bytes: the one definition of a tensor's checksum and of its safetensors dtype.
 
 A tensor's checksum is xxh3-64 (hex) of its bytes in memory order, contiguous, as they are
-written to a safetensors file: the publisher computes it while writing, a reader after
-loading or patching, and the collective channel after receiving, so all three compare the
-same thing. Comparisons of weights are bitwise on the published dtype (`bits`): a NaN equals
+written to a safetensors file: the publisher computes it while writing and a reader after
+loading or patching, so both compare the same thing. Comparisons of weights are bitwise on the published dtype (`bits`): a NaN equals
 itself and -0.0 differs from 0.0, which is what "the engine holds exactly these weights" means.
 """
 from __future__ import annotations
@@ -18,8 +17,7 @@ ST_DTYPES: dict[torch.dtype, str] = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
-# torch dtype <-> its name in manifests and headers of the collective channel ("bfloat16")
+# torch dtype <-> its name in manifests ("bfloat16")
 NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in ST_DTYPES}
 BY_NAME = {v: k for k, v in NAMES.items()}
 # the integer type of each float width: bitwise comparison of floats
