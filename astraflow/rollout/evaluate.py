@@ -29,7 +29,6 @@ from astraflow.rollout.engines import import_library
 from astraflow.rollout.engines.base import Engine
 from astraflow.rollout.worker import build_engines, run_tokenizer, sampling_params
 from astraflow.weights.manifest import newest_dir
-from astraflow.weights.reader import load_version
 from astraflow.tasks.sources import Item, TaskSource
 from astraflow.workflows.cotrain import accepted, judge_context, wrong_answer
 from astraflow.workflows.rewards import Scorer
@@ -76,6 +75,7 @@ def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) 
     import_library(cfg.engine)
     training_done()
     engines = build_engines(run, list(metrics))
+    from astraflow.weights.reader import load_version  # torch: only after the engine's library set its threads
     tokenizer = run_tokenizer(run)
 
     async def score(name: str, weights: dict | None = None) -> float:

@@ -49,7 +49,6 @@ from astraflow.protocol.codec import RemoteError
 from astraflow.rollout.engines import ENGINES, import_library
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.slurm.env import partition, rollout_worker_id
-from astraflow.weights.follower import Follower
 from astraflow.weights.fs import path_of
 from astraflow.sandbox import Sandbox
 from astraflow.workflows import WORKFLOWS, EpisodeContext, EpisodeError
@@ -112,7 +111,7 @@ class RolloutWorker:
         self.committed = 0
         self.episode_failures = 0
         self.refused: dict[str, int] = {}  # policy -> the damaged weight version last refused
-        self.followers = {p: Follower(run.path / "weights" / p) for p in policies}
+        self.followers: dict[str, Any] = {}  # policy -> its `weights.follower.Follower`, once torch may load
         self.failing = 0  # episode failures in a row
         self.pause_until = 0.0  # no leases before this (monotonic), after episode failures
         self.engine_load_s = 0.0
@@ -272,6 +271,9 @@ class RolloutWorker:
             t0 = time.perf_counter()
             self.engines = build_engines(self.rundir, self.policies)
             self.engine_load_s = time.perf_counter() - t0
+        from astraflow.weights.follower import Follower  # torch: only after the engine's library set its threads
+
+        self.followers = {p: Follower(self.rundir.path / "weights" / p) for p in self.policies}
         self.hardware = hardware.describe()
         self.acks = open(self.rundir.path / "logs" / f"acks-{self.base_id}.jsonl", "a")
         tokenizer = run_tokenizer(self.rundir)
