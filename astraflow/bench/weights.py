@@ -13,7 +13,8 @@ in the publish dtype, bytes of the delta, the fraction of published elements tha
 the publish time, the time until the engine holds the version (from the start of the
 publication), and the engine's pause (its batch lock is held only to install). Summaries are
 medians over the versions after the first (`--versions` of them; a delta over half the full
-version is published full instead, `published_as_delta` counts the others).
+version is not even made, its bytes are null, and the version is published full;
+`published_as_delta` counts the others).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def measure_lr(model_dir: Path, weights_root: Path, engine, lr: float, versions:
         assert update.version == first + i, update  # the engine holds the version just published
         rows.append({"version": i + 1, "kind": pub.manifest.kind, "train_s": train_s,
                      "fp32_full_bytes": pub.manifest.elements * 4,
-                     "full_bytes": pub.full_bytes, "delta_bytes": pub.delta_bytes,
+                     "full_bytes": pub.full_bytes, "delta_bytes": pub.delta_bytes if pub.delta_bytes >= 0 else None,
                      "changed_fraction": pub.manifest.changed / pub.manifest.elements if pub.manifest.changed >= 0
                      else None, "bytes_written": pub.bytes_written, "publish_s": pub.seconds,
                      "read_s": update.seconds, "bytes_read": update.bytes_read, "how": update.how,
@@ -72,13 +73,15 @@ def measure_lr(model_dir: Path, weights_root: Path, engine, lr: float, versions:
     gc.collect()
     later = rows[1:]  # each has a delta against the one before, published as such unless over half the full
 
-    def median(key: str) -> float:
-        return statistics.median(r[key] for r in later)
+    def median(key: str) -> float | None:  # None: not known for every version (a delta over half the full)
+        values = [r[key] for r in later]
+        return None if None in values else statistics.median(values)
 
     full = rows[0]
     return {"lr": lr, "versions": rows, "fp32_full_bytes": full["fp32_full_bytes"], "full_bytes": full["full_bytes"],
             "delta_bytes": median("delta_bytes"), "changed_fraction": median("changed_fraction"),
-            "delta_over_full": median("delta_bytes") / full["full_bytes"], "publish_s": median("publish_s"),
+            "delta_over_full": None if median("delta_bytes") is None else median("delta_bytes") / full["full_bytes"],
+            "publish_s": median("publish_s"),
             "applied_s": median("applied_s"), "paused_s": median("paused_s"), "first_publish_s": full["publish_s"],
             "first_applied_s": full["applied_s"], "published_as_delta": sum(r["kind"] == "delta" for r in later)}
 

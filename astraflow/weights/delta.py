@@ -27,20 +27,31 @@ GAPS, VALUES = "::gaps", "::values"
 Delta = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (gaps, uint8; new values)
 
 
-def make(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> Delta:
-    """What changed from `old` to `new` (same names, shapes and dtypes), on `new`'s device."""
+def make(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], limit: int | None = None
+         ) -> tuple[Delta | None, int]:
+    """What changed from `old` to `new` (same names, shapes and dtypes), on `new`'s device, and
+    how many elements changed. None instead of the delta once it would exceed `limit` bytes
+    (counted at one byte per position, a lower bound): the rest is only counted, not encoded
+    (encoding nearly every element of a large model took 30 s of a 0.5B model's publication)."""
     if old.keys() != new.keys():
         raise ValueError(f"a delta needs the same tensors: {sorted(old.keys() ^ new.keys())[:5]} differ")
-    out: Delta = {}
+    out: Delta | None = {}
+    changed = size = 0
     for name, b in new.items():
         a = old[name].to(b.device)  # a resumed publisher's previous version was read on the CPU
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(f"{name}: {tuple(a.shape)} {a.dtype} -> {tuple(b.shape)} {b.dtype}: not a delta")
         flat = b.reshape(-1)
-        idx = torch.nonzero(bits(a).reshape(-1) != bits(flat), as_tuple=True)[0]
-        if len(idx):
+        differs = bits(a).reshape(-1) != bits(flat)
+        n = int(differs.sum())
+        changed += n
+        size += n * (1 + b.element_size())
+        if limit is not None and size > limit:
+            out = None
+        if out is not None and n:
+            idx = torch.nonzero(differs, as_tuple=True)[0]
             out[name] = (encode(idx), flat[idx])
-    return out
+    return out, changed
 
 
 def encode(indices: torch.Tensor) -> torch.Tensor:
@@ -97,7 +108,3 @@ def apply(state: dict[str, torch.Tensor], delta: Delta) -> None:
 
 def payload_bytes(delta: Delta) -> int:
     return sum(gaps.numel() + val.numel() * val.element_size() for gaps, val in delta.values())
-
-
-def changed_elements(delta: Delta) -> int:
-    return sum(len(val) for _, val in delta.values())

@@ -44,7 +44,7 @@ class Publication:
     base_uri: str  # the version a delta version needs ("" for a full version)
     bytes_written: int  # the weights files (full and/or delta)
     full_bytes: int  # what a full version of this model is in the publish dtype
-    delta_bytes: int  # the delta against the previous publication, written or not (-1: none)
+    delta_bytes: int  # the delta against the previous publication, written or not (-1: none, or over half the full)
     seconds: float
 
     @property
@@ -93,11 +93,11 @@ class Publisher:
         t0 = time.perf_counter()
         tensors = publishable(state_dict, self.dtype)
         full_bytes = sum(nbytes(t) for t in tensors.values())
-        delta = self._delta(tensors)
+        # over half the full version (nearly every element moved: a high learning rate), it is not made
+        delta, changed = self._delta(tensors, full_bytes // 2)
         delta_bytes = deltas.payload_bytes(delta) if delta is not None else -1
-        changed = deltas.changed_elements(delta) if delta is not None else -1
-        if delta_bytes > full_bytes / 2:  # nearly every element moved (a high learning rate)
-            delta = None
+        if delta_bytes > full_bytes / 2:  # the bound above counts a position as one byte: at most a little more
+            delta, delta_bytes = None, -1
         full = delta is None or self.since_full + 1 >= self.full_every
         final = self.dir / self._free_name(version)
         tmp = fresh_tmp(final)
@@ -125,15 +125,16 @@ class Publisher:
         return Publication(manifest, uri_of(final), base_uri, written, full_bytes, delta_bytes,
                            time.perf_counter() - t0)
 
-    def _delta(self, tensors: dict[str, torch.Tensor]) -> deltas.Delta | None:
-        """The delta against the last publication (None: there is none, or of another shape)."""
+    def _delta(self, tensors: dict[str, torch.Tensor], limit: int) -> tuple[deltas.Delta | None, int]:
+        """The delta against the last publication and the elements changed (None, -1: there
+        is none, or of another shape; None, n: over `limit` bytes)."""
         if self.last is None:
-            return None
+            return None, -1
         try:
-            return deltas.make(self.last, tensors)
+            return deltas.make(self.last, tensors, limit)
         except ValueError as e:  # another model shape: cannot be a delta
             log.warning("publishing a full version: %s", e)
-            return None
+            return None, -1
 
     def _free_name(self, version: int) -> str:
         """`v<N>`, or `v<N>-<k>` past the last directory of version N (a replayed step)."""
