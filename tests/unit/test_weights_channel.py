@@ -11,6 +11,7 @@ import torch
 import xxhash
 from safetensors.torch import load_file
 
+from astraflow.weights import delta as deltas
 from astraflow.weights.manifest import DELTA_FILE, FULL_FILE, read_manifest, version_dirs
 from astraflow.weights.publisher import Publisher
 from astraflow.weights.reader import WeightReader, load_version
@@ -88,6 +89,15 @@ def test_full_every_k_and_a_large_delta_is_published_full(tmp_path):
     adam_like_step(state, 1e-2, 99)  # every element moves: the delta would be 3x the full version
     pub.full_every = 100
     assert pub.publish(state, 8).manifest.kind == "full"
+
+
+def test_a_delta_past_its_limit_is_not_encoded_but_its_changes_are_counted():
+    old = master()
+    new = {n: t.clone() for n, t in old.items()}
+    adam_like_step(new, 1e-2, 1)  # every element moves
+    full, changed = deltas.make(old, new)
+    assert changed == sum(t.numel() for t in new.values()) and deltas.payload_bytes(full) > 4 * changed
+    assert deltas.make(old, new, limit=deltas.payload_bytes(full) // 4) == (None, changed)
 
 
 def test_chain_catch_up_takes_the_cheaper_way(tmp_path):
