@@ -305,10 +305,10 @@ class WeightsConfig:
     # `full_every` versions (and whenever a delta would be over half of one), a sparse delta
     # against the previous version otherwise. 1: every version full.
     full_every: int = 10
-    # `collective`: the trainer's rank 0 also broadcasts each version to the rollout workers of
-    # its job (NCCL on GPUs, gloo on CPUs); `auto`: so where the job has such workers.
-    # Workers that join later (arrays, standby workers) and any version a broadcast fails to
-    # deliver take the filesystem.
+    # `auto` / `collective`: the trainer's rank 0 also broadcasts each version to the rollout
+    # workers started with it (gloo; local runs: Slurm launches do not set up the groups yet),
+    # `weights/collective.py`. Workers that join later (arrays, standby workers, restarts) and
+    # every version once a broadcast has failed take the filesystem, which always has them.
     channel: str = choice("auto", "auto", "filesystem", "collective")
     bucket_mb: float = 256.0  # tensors are broadcast flattened into buckets of this size
     # Every collective operation gives up after this long: a dead or stopped worker delays the

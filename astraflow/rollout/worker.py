@@ -6,7 +6,9 @@ group, heartbeats and renews its leases, and swaps in new weight versions from t
 filesystem channel between engine batches: it learns of them from its lease and commit
 replies (`latest`; a slow `Weights` poll besides), reads, verifies and applies them in a
 thread (`weights/reader.py`: a delta when one version behind, the cheaper of the chain and
-the last full version further behind), and hands the engine only the tensors that changed. An episode's slot is free once it has
+the last full version further behind), and hands the engine only the tensors that changed.
+In a local run it also receives versions over the collective channel (`weights/collective.py`,
+a thread per policy): a version received that way is installed without reading the files. An episode's slot is free once it has
 generated, not once its commit is acknowledged: the next lease overlaps the commit, so the
 engine does not sit idle for both round trips (commits in flight are capped at as many
 again). It follows a restarted dataflow rank through the rendezvous file and registers
@@ -112,6 +114,7 @@ class RolloutWorker:
         self.episode_failures = 0
         self.refused: dict[str, int] = {}  # policy -> the damaged weight version last refused
         self.followers: dict[str, Any] = {}  # policy -> its `weights.follower.Follower`, once torch may load
+        self.arrived: dict[str, tuple] = {}  # policy -> the newest version received over the collective channel
         self.failing = 0  # episode failures in a row
         self.pause_until = 0.0  # no leases before this (monotonic), after episode failures
         self.engine_load_s = 0.0
@@ -198,9 +201,18 @@ class RolloutWorker:
                 log.info("dataflow rank moved to %s: reconnecting", address)
                 self.client.reconnect(address)
 
+    def receive(self, policy: str, tensors: dict, manifest, received: int) -> None:
+        """Called in the collective channel's thread: keep the newest, wake the weights loop."""
+        def arrive() -> None:
+            self.arrived[policy] = (tensors, manifest, received)
+            self.newer_weights.set()
+        self.loop.call_soon_threadsafe(arrive)
+
     async def weights_loop(self) -> None:
         while True:
             for policy, engine in self.engines.items():
+                if policy in self.arrived:
+                    await self.take(policy, engine, *self.arrived.pop(policy))
                 reply = await self.rpc(lambda: m.Weights(policy))
                 if reply.version > engine.version:
                     await self.load(policy, engine, reply)
@@ -226,6 +238,18 @@ class RolloutWorker:
                      "all" if update.changed is None else len(update.changed), update.seconds * 1e3)
         if update.version < reply.version:
             self._refuse(policy, reply.version, engine, f"reached only {update.name}")
+
+    async def take(self, policy: str, engine, tensors: dict, manifest, received: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            changed = await self.followers[policy].take(engine, tensors, manifest)
+        except Exception as e:  # noqa: BLE001 - weights that do not fit must not kill the worker
+            self._refuse(policy, manifest.version, engine, repr(e))
+            return
+        if changed != frozenset():
+            log.info("%s: loaded weights v%d (collective, %d bytes received, %s tensors changed) in %.0f ms", policy,
+                     manifest.version, received, "all" if changed is None else len(changed),
+                     (time.perf_counter() - t0) * 1e3)
 
     def _refuse(self, policy: str, version: int, engine, problem: str) -> None:
         if self.refused.get(policy) != version:
@@ -271,7 +295,9 @@ class RolloutWorker:
             t0 = time.perf_counter()
             self.engines = build_engines(self.rundir, self.policies)
             self.engine_load_s = time.perf_counter() - t0
-        from astraflow.weights.follower import Follower  # torch: only after the engine's library set its threads
+        # torch: only after the engine's library set its threads
+        from astraflow.weights import collective
+        from astraflow.weights.follower import Follower
 
         self.followers = {p: Follower(self.rundir.path / "weights" / p) for p in self.policies}
         self.hardware = hardware.describe()
@@ -285,7 +311,9 @@ class RolloutWorker:
             rng=np.random.default_rng([cfg.run.seed, os.getpid()]), roles=cfg.roles, workflow=cfg.workflow,
             environment=await self.environment(), tools=Sandbox(hide=(str(self.rundir.path),)))
         self.client = AsyncClient(wait_rendezvous(self.rundir.path)["address"], self.rundir.read_secret(), timeout_s=10)
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
+        for policy in self.policies:
+            collective.listen(self.rundir.path, policy, cfg.weights, lambda *v, p=policy: self.receive(p, *v))
         background = []
         try:
             await self.rpc(lambda: m.Heartbeat(self.worker_id))  # registers

@@ -3,7 +3,8 @@
 Per step: pull the step's batch from the dataflow rank (blocking; a replayed step after a
 restart gets the same samples), let the backend train on it (`Backend.train_step`), publish
 weights version = step (rank 0, filesystem channel, in the training dtype: a full version or
-a sparse delta against the previous one, `weights/publisher.py`), announce it, then
+a sparse delta against the previous one, `weights/publisher.py`; in a local run also
+broadcast to the policy's workers, `weights/collective.py`), announce it, then
 acknowledge the step's samples (`Consumed`). Metrics go to `metrics/<policy>.csv` (a row
 per trained step, appended; a replayed step gets a row again and readers merge a step's rows:
 `analysis/metrics.py`) and to TensorBoard event files in `metrics/tensorboard/<policy>/`; the
@@ -51,6 +52,7 @@ from astraflow.trainer.backend import Backend
 from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, prune_checkpoints
 from astraflow.trainer.lr import lr_at
 from astraflow.trainer.torch_backend import TorchBackend
+from astraflow.weights.collective import TrainerChannel
 from astraflow.weights.manifest import WeightsError, newest_dir
 from astraflow.weights.publisher import Publisher
 from astraflow.weights.reader import load_version
@@ -89,6 +91,8 @@ class Trainer:
             log.info("resumed from %s (step %d)", ckpt.name, self.step)
         self.publisher = Publisher(run.path / "weights", policy, self.base_dir, self.backend.publish_dtype,
                                    run.config.weights.full_every)
+        # rank 0, in a local run: each version is also broadcast to the policy's workers
+        self.channel = TrainerChannel(run.path, policy, run.config.weights) if rank == 0 else None
         self.client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=BATCH_TIMEOUT_S)
         self.stop = False
         self.board: SummaryWriter | None = None
@@ -123,6 +127,9 @@ class Trainer:
         pub = self.publisher.publish(self.backend.hf_state_dict(), step)
         log.info("published v%d (%s, %d bytes, %d of %d elements changed) in %.0f ms", step, pub.manifest.kind,
                  pub.bytes_written, pub.manifest.changed, pub.manifest.elements, pub.seconds * 1e3)
+        sent = self.channel.send(self.publisher.last, pub.manifest) if self.channel is not None else None
+        if sent is not None:  # before `Published`: the workers then learn of it with the weights in hand
+            log.info("broadcast v%d in %.0f ms", step, sent * 1e3)
         return m.Published(self.policy, step, pub.uri, checkpoint_steps(self.ckpt_dir), pub.full, pub.base_uri)
 
     def republish_if_damaged(self) -> None:

@@ -92,23 +92,32 @@ def newest_dir(policy_dir: Path, version: int | None = None) -> Path | None:
 def read_manifest(directory: Path) -> Manifest:
     path = Path(directory) / MANIFEST
     try:
-        d = json.loads(path.read_text())
+        text = path.read_text()
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: missing (not a published version, or deleted)") from None
+    except OSError as e:
+        raise WeightsError(f"{path}: unreadable manifest ({type(e).__name__}: {e})") from None
+    return parse_manifest(text, Path(directory).name, str(path))
+
+
+def parse_manifest(text: str, name: str, where: str) -> Manifest:
+    """A manifest from its JSON text (`where` names it in errors): WeightsError if malformed."""
+    try:
+        d = json.loads(text)
         if d.get("format") != FORMAT:
-            raise WeightsError(f"{path}: format {d.get('format')!r}, expected {FORMAT}")
+            raise WeightsError(f"{where}: format {d.get('format')!r}, expected {FORMAT}")
         tensors = {n: TensorInfo(list(t["shape"]), str(t["dtype"]), str(t["xxh3"])) for n, t in d["tensors"].items()}
         manifest = Manifest(int(d["version"]), str(d["kind"]), str(d["base"]), str(d["dtype"]), tensors,
                             {str(k): str(v) for k, v in d["files"].items()}, int(d.get("changed", -1)),
-                            int(d.get("elements", 0)), name=Path(directory).name)
+                            int(d.get("elements", 0)), name=name)
     except WeightsError:
         raise
-    except FileNotFoundError:
-        raise WeightsError(f"{path}: missing (not a published version, or deleted)") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise WeightsError(f"{path}: unreadable manifest ({type(e).__name__}: {e})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise WeightsError(f"{where}: unreadable manifest ({type(e).__name__}: {e})") from None
     if manifest.kind not in ("full", "delta") or (manifest.kind == "delta" and not manifest.base):
-        raise WeightsError(f"{path}: kind {manifest.kind!r} with base {manifest.base!r}: expected a full version, "
+        raise WeightsError(f"{where}: kind {manifest.kind!r} with base {manifest.base!r}: expected a full version, "
                            "or a delta with a base")
     expected = ({FULL_FILE} if manifest.full else set()) | ({DELTA_FILE} if manifest.base else set())
     if set(manifest.files) != expected:
-        raise WeightsError(f"{path}: files {sorted(manifest.files)}, expected {sorted(expected)}")
+        raise WeightsError(f"{where}: files {sorted(manifest.files)}, expected {sorted(expected)}")
     return manifest

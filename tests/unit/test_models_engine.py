@@ -175,6 +175,33 @@ def test_an_engine_behind_a_damaged_delta_keeps_its_weights_until_the_next_full_
     assert engine.version == 5 and engine_is_trainer()
 
 
+def test_a_version_taken_from_the_collective_channel_installs_the_changed_tensors_and_deltas_follow(model_dir,
+                                                                                                   tmp_path):
+    trainer_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    policy_dir = tmp_path / "weights" / "policy"
+    publisher = Publisher(tmp_path / "weights", "policy", model_dir, full_every=100)
+    follower, engine = Follower(policy_dir), hf_engine(model_dir)
+    first = next(iter(trainer_model.parameters()))
+
+    def step(version: int, params) -> None:
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn_like(p) * 0.05 * (torch.rand_like(p) < 0.02))
+        publisher.publish(trainer_model.state_dict(), version)
+
+    step(1, trainer_model.parameters())
+    asyncio.run(follower.bring(engine, policy_dir / "v1"))
+    step(2, [first])  # as received over the collective channel: a copy of what was published
+    received = {n: t.clone() for n, t in publisher.last.items()}
+    changed = asyncio.run(follower.take(engine, received, publisher.last_manifest))
+    assert changed == {next(iter(publisher.last_manifest.tensors))} and engine.version == 2
+    assert all(torch.equal(t, trainer_model.state_dict()[n]) for n, t in engine.model.state_dict().items())
+    step(3, trainer_model.parameters())  # the filesystem's delta applies on top of what was received
+    update = asyncio.run(follower.bring(engine, policy_dir / "v3"))
+    assert (update.how, update.version) == ("delta", 3)
+    assert all(torch.equal(t, trainer_model.state_dict()[n]) for n, t in engine.model.state_dict().items())
+
+
 def test_a_component_started_with_the_run_waits_for_its_model(tmp_path, model_dir):
     """`wait_for_model` returns only once the preparation has renamed the finished directory
     into place; a configured model used as it is (no warm-up) is never waited for."""
