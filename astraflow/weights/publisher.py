@@ -6,7 +6,9 @@ writes each version into its own directory (`manifest.py`):
 - full when there is no previous publication in this process (the first version after a
   (re)start), when `full_every` versions have passed since the last full one (1: every
   version is full), or when the delta would be larger than half the full version (at the
-  quickstart's learning rate nearly every element moves);
+  quickstart's learning rate nearly every element moves; such a delta is not encoded past
+  that point, and after one the next is counted before it is made: encoding them cost a
+  0.5B model's publication 15-30 s);
 - a delta against the previous publication otherwise.
 A full version also holds its delta against the previous publication where that delta is
 small, so a worker behind it can go on by deltas instead of reading the full file.
@@ -77,6 +79,9 @@ class Publisher:
         self.last: dict[str, torch.Tensor] | None = None  # the last publication, publish dtype, model's device
         self.last_manifest: Manifest | None = None
         self.since_full = 0  # deltas published since the last full version
+        # the last delta was over half the full version: the next is only counted first (the
+        # learning rate seldom drops at once), and made in a second pass only if it is small
+        self.last_too_large = False
 
     def adopt(self, state_dict: dict[str, torch.Tensor], directory: Path) -> None:
         """Continue from an existing publication (a resumed trainer: `state_dict` is that
@@ -94,10 +99,15 @@ class Publisher:
         tensors = publishable(state_dict, self.dtype)
         full_bytes = sum(nbytes(t) for t in tensors.values())
         # over half the full version (nearly every element moved: a high learning rate), it is not made
-        delta, changed = self._delta(tensors, full_bytes // 2)
+        limit = full_bytes // 2
+        delta, changed = self._delta(tensors, 0 if self.last_too_large else limit)
+        elements = sum(t.numel() for t in tensors.values())
+        if delta is None and changed > 0 and self.last_too_large and changed * (1 + full_bytes / elements) <= limit:
+            delta, changed = self._delta(tensors, limit)  # small again: make it
         delta_bytes = deltas.payload_bytes(delta) if delta is not None else -1
-        if delta_bytes > full_bytes / 2:  # the bound above counts a position as one byte: at most a little more
+        if delta_bytes > limit:  # the bound above counts a position as one byte: at most a little more
             delta, delta_bytes = None, -1
+        self.last_too_large = delta is None and changed > 0
         full = delta is None or self.since_full + 1 >= self.full_every
         final = self.dir / self._free_name(version)
         tmp = fresh_tmp(final)
@@ -114,7 +124,7 @@ class Publisher:
         base = self.last_manifest.name if delta is not None else ""
         manifest = Manifest(version, "full" if full else "delta", base, NAMES[self.dtype or _first_dtype(tensors)],
                             {n: TensorInfo(list(t.shape), NAMES[t.dtype], sums[n]) for n, t in tensors.items()},
-                            files, changed, sum(t.numel() for t in tensors.values()), name=final.name)
+                            files, changed, elements, name=final.name)
         write_synced(tmp / MANIFEST, manifest.to_json())
         if full:
             link_model_files(self.base_model_dir, tmp)

@@ -89,6 +89,14 @@ def test_full_every_k_and_a_large_delta_is_published_full(tmp_path):
     adam_like_step(state, 1e-2, 99)  # every element moves: the delta would be 3x the full version
     pub.full_every = 100
     assert pub.publish(state, 8).manifest.kind == "full"
+    adam_like_step(state, 1e-2, 100)  # again: counted, not made, published full
+    p = pub.publish(state, 9)
+    assert p.full and p.delta_bytes == -1 and p.manifest.changed > 0.9 * p.manifest.elements
+    adam_like_step(state, 1e-6, 101)  # small again: made in a second pass and published as a delta
+    p = pub.publish(state, 10)
+    assert p.manifest.kind == "delta" and 0 < p.delta_bytes < 0.1 * p.full_bytes
+    reader = WeightReader(tmp_path / "w" / "policy")
+    assert reader.advance(tmp_path / "w" / "policy" / "v10").version == 10 and held(reader) == published(state)
 
 
 def test_a_delta_past_its_limit_is_not_encoded_but_its_changes_are_counted():
