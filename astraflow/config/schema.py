@@ -309,7 +309,8 @@ class WeightsConfig:
     # workers started with it (gloo; local runs: Slurm launches do not set up the groups yet),
     # `weights/collective.py`. Workers that join later (arrays, standby workers, restarts) and
     # every version once a broadcast has failed take the filesystem, which always has them.
-    channel: str = choice("auto", "auto", "filesystem", "collective")
+    # Opt-in (default `filesystem`) until it has run longer than the quickstart's few runs.
+    channel: str = choice("filesystem", "auto", "filesystem", "collective")
     bucket_mb: float = 256.0  # tensors are broadcast flattened into buckets of this size
     # Every collective operation gives up after this long: a dead or stopped worker delays the
     # trainer by at most this much, and the version goes over the filesystem.

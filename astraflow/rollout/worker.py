@@ -8,7 +8,8 @@ replies (`latest`; a slow `Weights` poll besides), reads, verifies and applies t
 thread (`weights/reader.py`: a delta when one version behind, the cheaper of the chain and
 the last full version further behind), and hands the engine only the tensors that changed.
 In a local run it also receives versions over the collective channel (`weights/collective.py`,
-a thread per policy): a version received that way is installed without reading the files. An episode's slot is free once it has
+a thread per policy): a version received that way is installed without reading the files,
+once the rank has announced it (the trainer broadcasts before `Published`). An episode's slot is free once it has
 generated, not once its commit is acknowledged: the next lease overlaps the commit, so the
 engine does not sit idle for both round trips (commits in flight are capped at as many
 again). It follows a restarted dataflow rank through the rendezvous file and registers
@@ -211,9 +212,13 @@ class RolloutWorker:
     async def weights_loop(self) -> None:
         while True:
             for policy, engine in self.engines.items():
-                if policy in self.arrived:
-                    await self.take(policy, engine, *self.arrived.pop(policy))
                 reply = await self.rpc(lambda: m.Weights(policy))
+                arrived = self.arrived.get(policy)
+                # a version received before the rank announced it waits: the rank refuses
+                # commits of versions it has not seen published
+                if arrived is not None and arrived[1].version <= reply.version:
+                    del self.arrived[policy]
+                    await self.take(policy, engine, *arrived)
                 if reply.version > engine.version:
                     await self.load(policy, engine, reply)
             try:
