@@ -195,8 +195,8 @@ def listen(run_path: Path, policy: str, wcfg, deliver: Callable[[dict[str, torch
             log.info("collective weight channel for %s: joined as rank %d of %d", policy, *member)
             while True:
                 deliver(*rx.receive())
-        except (RuntimeError, WeightsError) as e:
-            log.error("collective weight channel for %s failed (%s); following the filesystem", policy,
-                      str(e).splitlines()[0])
+        except (RuntimeError, WeightsError) as e:  # also the trainer's exit at the end of a run: a warning
+            log.warning("collective weight channel for %s closed (%s); following the filesystem", policy,
+                        str(e).splitlines()[0])
 
     threading.Thread(target=run, name=f"weights-{policy}", daemon=True).start()
