@@ -245,6 +245,14 @@ def _bench_learn(args: argparse.Namespace) -> int:
     return 0 if result["passed"] else 1
 
 
+def _bench_weights(args: argparse.Namespace) -> int:
+    from astraflow.bench.weights import run_bench
+
+    result = run_bench(args.like, args.size, args.lr, args.versions, args.dtype, args.threads)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
 def _env_server(args: argparse.Namespace) -> int:
     from astraflow.environments.server import main as serve
 
@@ -467,6 +475,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--wall-s", type=float, default=600.0, help="seconds per run, everything included")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_learn)
+
+    b = bsub.add_parser("weights", help="bytes and seconds of the filesystem weight channel: full versions and "
+                                        "sparse deltas after real AdamW steps")
+    b.add_argument("--like", default="qwen2.5", help="model family (astraflow/models/families.py)")
+    b.add_argument("--size", default="0.5b", help="the family's shape (0.5b: 494 M parameters)")
+    b.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5, 1e-3],
+                   help="learning rates, each from the same start (1e-3: the quickstart's)")
+    b.add_argument("--versions", type=int, default=3, help="delta versions per learning rate (medians over them)")
+    b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="the publish dtype (the training dtype)")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.set_defaults(fn=_bench_weights)
     return parser
 
 

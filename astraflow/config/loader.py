@@ -196,6 +196,13 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('selection')}: selection: expected 0 < explore <= 1 and max_streak >= 1, "
                           f"got explore={sel.explore}, max_streak={sel.max_streak}")
     _check_trainer_shapes(cfg, where)
+    w = cfg.weights
+    if w.full_every < 1 or w.bucket_mb <= 0 or w.broadcast_timeout_s <= 0:
+        raise ConfigError(f"{where.at('weights')}: weights: expected full_every >= 1, bucket_mb > 0 and "
+                          f"broadcast_timeout_s > 0, got {w.full_every}, {w.bucket_mb}, {w.broadcast_timeout_s}")
+    if cfg.rollout.weight_poll_s <= 0:
+        raise ConfigError(f"{where.at('rollout.weight_poll_s')}: rollout.weight_poll_s: expected > 0, "
+                          f"got {cfg.rollout.weight_poll_s}")
     t = cfg.trainer
     if t.lr_warmup_steps < 0 or not 0.0 <= t.lr_min_ratio <= 1.0:
         raise ConfigError(f"{where.at('trainer')}: trainer: expected lr_warmup_steps >= 0 and 0 <= lr_min_ratio <= 1")

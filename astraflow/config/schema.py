@@ -204,7 +204,10 @@ class PoolConfig:
 class RolloutConfig:
     workers: int = 1  # rollout worker processes (local runs; on Slurm the job's rollout tasks)
     concurrency: int = 16  # tasks in flight per worker
-    weight_poll_s: float = runtime(0.2)  # how often a worker checks for newly published weights
+    # A worker learns of new weights from its lease and commit replies (`latest`) and from the
+    # collective channel; it also asks the rank this often, a slow fallback for a worker that
+    # has nothing leased and nothing to commit.
+    weight_poll_s: float = runtime(5.0)
     # Which policies each worker hosts, pool by pool (workers 0..n0-1 the first pool, ...);
     # empty: every worker hosts every policy. The pools' workers add up to `workers`.
     pools: tuple[PoolConfig, ...] = ()
@@ -296,6 +299,25 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class WeightsConfig:
+    """The weight channel (astraflow/weights/): how versions reach the engines."""
+    # Every version is written to RUN_DIR/weights/ (`filesystem`); a full copy every
+    # `full_every` versions (and whenever a delta would be over half of one), a sparse delta
+    # against the previous version otherwise. 1: every version full.
+    full_every: int = 10
+    # `auto` / `collective`: the trainer's rank 0 also broadcasts each version to the rollout
+    # workers started with it (gloo; local runs: Slurm launches do not set up the groups yet),
+    # `weights/collective.py`. Workers that join later (arrays, standby workers, restarts) and
+    # every version once a broadcast has failed take the filesystem, which always has them.
+    # Opt-in (default `filesystem`) until it has run longer than the quickstart's few runs.
+    channel: str = choice("filesystem", "auto", "filesystem", "collective")
+    bucket_mb: float = 256.0  # tensors are broadcast flattened into buckets of this size
+    # Every collective operation gives up after this long: a dead or stopped worker delays the
+    # trainer by at most this much, and the version goes over the filesystem.
+    broadcast_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class LauncherConfig:
     max_restarts: int = 3  # restarts of a crashed component before the run fails
     backoff_s: float = 1.0  # delay before the first restart, doubling at each further one
@@ -333,6 +355,7 @@ class Config:
     workflow: WorkflowConfig = WorkflowConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     selection: SelectionConfig = SelectionConfig()
+    weights: WeightsConfig = WeightsConfig()
 
     def policy(self, name: str) -> PolicyConfig:
         for p in self.policies:

@@ -166,7 +166,8 @@ class DataflowState:
             elif kind == "register":
                 self.workers.restarts[ev["base"]] = ev["k"]
             elif kind == "published":
-                self.weights.publish(ev["policy"], ev["version"], ev["uri"], ev["pinned"], delete=False)
+                self.weights.publish(ev["policy"], ev["version"], ev["uri"], ev["pinned"], ev.get("full", True),
+                                     ev.get("base", ""), delete=False)
             elif kind == "ready":  # a restarted trainer: what it was served went back to the buffer
                 self.buffers[ev["policy"]].trainer_step = ev["resume_step"]
                 served[ev["policy"]].clear()
@@ -647,10 +648,10 @@ class DataflowState:
         if not 0 <= req.version <= newest:  # versions are published in order, one per step
             raise RequestError("bad_request", f"version {req.version}: expected 0 .. {newest}, one past the newest "
                                               f"published version")
-        self.weights.publish(req.policy, req.version, req.uri, req.pinned)
+        self.weights.publish(req.policy, req.version, req.uri, req.pinned, req.full, req.base)
         self.buffers[req.policy].trainer_version = req.version
         self.journal.append("published", policy=req.policy, version=req.version, uri=req.uri,
-                            pinned=req.pinned, time=time.time())
+                            pinned=req.pinned, full=req.full, base=req.base, time=time.time())
         return m.Ok()
 
     def _stopped(self, req: m.Stopped, now: float) -> m.Ok:

@@ -49,17 +49,19 @@ def dataflow(run: RunDir, local: bool) -> Component:
 
 
 def trainer(run: RunDir, policy: str, ranks: list[int], world: int,
-            generation: GroupGeneration | None = None) -> Component:
-    """The ranks of `policy`'s trainer group that this supervisor runs (all of them locally)."""
+            generation: GroupGeneration | None = None, env: dict[str, str] | None = None) -> Component:
+    """The ranks of `policy`'s trainer group that this supervisor runs (all of them locally);
+    `env`: more environment for each."""
     cmd = cli("train", "--run-dir", str(run.path), "--policy", policy)
     name = f"trainer-{policy}" + (f"-r{ranks[0]}" if len(ranks) < world else "")
-    envs = [{"ASTRAFLOW_RANK": str(r), "ASTRAFLOW_WORLD": str(world)} for r in ranks]
+    envs = [{"ASTRAFLOW_RANK": str(r), "ASTRAFLOW_WORLD": str(world), **(env or {})} for r in ranks]
     return Component(name, [cmd] * len(ranks), run.path / "logs", env=envs, generation=generation)
 
 
-def rollout(run: RunDir, name: str, worker_id: str, policies: tuple[str, ...]) -> Component:
+def rollout(run: RunDir, name: str, worker_id: str, policies: tuple[str, ...],
+            env: dict[str, str] | None = None) -> Component:
     cmd = cli("rollout", "--run-dir", str(run.path), "--worker-id", worker_id, "--policies", *policies)
-    return Component(name, [cmd], run.path / "logs")
+    return Component(name, [cmd], run.path / "logs", env=[env or {}])
 
 
 def dataflow_status(run: RunDir, timeout_s: float = 10.0) -> dict:

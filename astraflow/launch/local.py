@@ -26,6 +26,7 @@ from astraflow.launch.progress import Progress
 from astraflow.launch.summary import start_eval, training_done, write_summary
 from astraflow.launch.supervisor import ComponentFailed, Supervisor
 from astraflow.protocol.client import wait_rendezvous
+from astraflow.weights.groups import launch_env as weight_groups
 
 POLL_S = 0.1  # how soon the launcher notices that the last trainer has exited
 
@@ -66,10 +67,10 @@ def run_local(config: str | None, run_dir: str | None, overrides: list[str], qui
     try:
         rank = sup.add(components.dataflow(run, local=True)).name
         wait_rendezvous(run.path, timeout_s=60, newer_than=t_components, alive=lambda: sup.check_starting(rank))
-        trainers = [sup.add(components.trainer(run, p, list(range(cfg.trainer.world)), cfg.trainer.world)).name
-                    for p in cfg.policy_names]
-        workers = [sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}", cfg.worker_policies(i))).name
-                   for i in range(cfg.rollout.workers)]
+        trainers = [sup.add(components.trainer(run, p, list(range(cfg.trainer.world)), cfg.trainer.world,
+                                               env=weight_groups(cfg))).name for p in cfg.policy_names]
+        workers = [sup.add(components.rollout(run, f"rollout-{i}", f"local-{i}", cfg.worker_policies(i),
+                                              env=weight_groups(cfg, i))).name for i in range(cfg.rollout.workers)]
         # it imports its engine now and scores when training is done (`training_done`)
         evaluation = start_eval(run, alongside=True)
         progress = Progress(run, quiet)

@@ -24,7 +24,9 @@ import numpy as np
 
 from astraflow.protocol.wire import array_field
 
-PROTOCOL_VERSION = 5  # 2: lease and commit replies carry `latest`; 3: `Stopped`; 4: signed header + body frames; 5: chat tasks
+# 2: lease and commit replies carry `latest`; 3: `Stopped`; 4: signed header + body frames; 5: chat tasks;
+# 6: `Published` says whether a version is a delta and on which version it depends (`full`, `base`)
+PROTOCOL_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,10 @@ class Published:
     uri: str
     # Versions still referenced by checkpoints: retention never deletes them.
     pinned: list[int] = field(default_factory=list)
+    # A delta version (`full` false) is read on top of `base`, the URI of the version it was
+    # made against: retention keeps a kept version's base too (the rank never reads manifests).
+    full: bool = True
+    base: str = ""
 
 
 @dataclass(frozen=True)

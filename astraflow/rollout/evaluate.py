@@ -18,7 +18,6 @@ flat keys `eval_accuracy_base`, `eval_accuracy`, `eval_version` that summaries a
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -29,6 +28,7 @@ from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.rollout.engines import import_library
 from astraflow.rollout.engines.base import Engine
 from astraflow.rollout.worker import build_engines, run_tokenizer, sampling_params
+from astraflow.weights.manifest import newest_dir
 from astraflow.tasks.sources import Item, TaskSource
 from astraflow.workflows.cotrain import accepted, judge_context, wrong_answer
 from astraflow.workflows.rewards import Scorer
@@ -75,11 +75,12 @@ def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) 
     import_library(cfg.engine)
     training_done()
     engines = build_engines(run, list(metrics))
+    from astraflow.weights.reader import load_version  # torch: only after the engine's library set its threads
     tokenizer = run_tokenizer(run)
 
-    async def score(name: str, weights_dir: Path | None = None) -> float:
-        if weights_dir is not None:
-            await engines[name].load_weights(weights_dir, version=-1)
+    async def score(name: str, weights: dict | None = None) -> float:
+        if weights is not None:
+            await engines[name].load_state(weights, version=-1)
         return await SCORERS[metrics[name]](engines[name], tokenizer, items, cfg)
 
     out: dict = {"eval": {}}
@@ -87,10 +88,10 @@ def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) 
         for name, metric in metrics.items():
             out["eval"][name] = {"metric": metric, "base": asyncio.run(score(name))}
         for name in metrics:
-            versions = sorted((run.path / "weights" / name).glob("v*"), key=lambda p: int(p.name[1:]))
-            if versions:
-                last = asyncio.run(score(name, versions[-1]))
-                out["eval"][name].update(last=last, version=int(versions[-1].name[1:]))
+            if newest_dir(run.path / "weights" / name) is not None:
+                weights, manifest = load_version(run.path / "weights", name)  # materialised from its deltas
+                last = asyncio.run(score(name, weights))
+                out["eval"][name].update(last=last, version=manifest.version)
     finally:
         for engine in engines.values():
             engine.close()

@@ -3,7 +3,13 @@
 Registers with the dataflow rank, keeps `rollout.concurrency` episodes generating (each an
 episode of the task's workflow; the engine batches their generation), commits each finished
 group, heartbeats and renews its leases, and swaps in new weight versions from the
-filesystem channel between engine batches. An episode's slot is free once it has
+filesystem channel between engine batches: it learns of them from its lease and commit
+replies (`latest`; a slow `Weights` poll besides), reads, verifies and applies them in a
+thread (`weights/reader.py`: a delta when one version behind, the cheaper of the chain and
+the last full version further behind), and hands the engine only the tensors that changed.
+In a local run it also receives versions over the collective channel (`weights/collective.py`,
+a thread per policy): a version received that way is installed without reading the files,
+once the rank has announced it (the trainer broadcasts before `Published`). An episode's slot is free once it has
 generated, not once its commit is acknowledged: the next lease overlaps the commit, so the
 engine does not sit idle for both round trips (commits in flight are capped at as many
 again). It follows a restarted dataflow rank through the rendezvous file and registers
@@ -46,7 +52,7 @@ from astraflow.protocol.codec import RemoteError
 from astraflow.rollout.engines import ENGINES, import_library
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.slurm.env import partition, rollout_worker_id
-from astraflow.weights.fs import path_of, verify
+from astraflow.weights.fs import path_of
 from astraflow.sandbox import Sandbox
 from astraflow.workflows import WORKFLOWS, EpisodeContext, EpisodeError
 from astraflow.workflows.rewards import Scorer
@@ -108,6 +114,8 @@ class RolloutWorker:
         self.committed = 0
         self.episode_failures = 0
         self.refused: dict[str, int] = {}  # policy -> the damaged weight version last refused
+        self.followers: dict[str, Any] = {}  # policy -> its `weights.follower.Follower`, once torch may load
+        self.arrived: dict[str, tuple] = {}  # policy -> the newest version received over the collective channel
         self.failing = 0  # episode failures in a row
         self.pause_until = 0.0  # no leases before this (monotonic), after episode failures
         self.engine_load_s = 0.0
@@ -194,10 +202,23 @@ class RolloutWorker:
                 log.info("dataflow rank moved to %s: reconnecting", address)
                 self.client.reconnect(address)
 
+    def receive(self, policy: str, tensors: dict, manifest, received: int) -> None:
+        """Called in the collective channel's thread: keep the newest, wake the weights loop."""
+        def arrive() -> None:
+            self.arrived[policy] = (tensors, manifest, received)
+            self.newer_weights.set()
+        self.loop.call_soon_threadsafe(arrive)
+
     async def weights_loop(self) -> None:
         while True:
             for policy, engine in self.engines.items():
                 reply = await self.rpc(lambda: m.Weights(policy))
+                arrived = self.arrived.get(policy)
+                # a version received before the rank announced it waits: the rank refuses
+                # commits of versions it has not seen published
+                if arrived is not None and arrived[1].version <= reply.version:
+                    del self.arrived[policy]
+                    await self.take(policy, engine, *arrived)
                 if reply.version > engine.version:
                     await self.load(policy, engine, reply)
             try:
@@ -207,21 +228,38 @@ class RolloutWorker:
             self.newer_weights.clear()
 
     async def load(self, policy: str, engine, reply: m.WeightsReply) -> None:
-        """Load a new version; a damaged one is refused (logged once) and tried again later —
-        its trainer republishes a damaged version when it resumes from that step."""
+        """Bring the engine to a new version (`weights/follower.py`: in a thread, a delta, a
+        chain or a full version). A damaged version is skipped for the newest full version
+        that loads; short of the announced version, it is refused (logged once) until a newer
+        one is announced — a trainer resuming from a damaged version republishes it."""
+        try:
+            update = await self.followers[policy].bring(engine, path_of(reply.uri))
+        except Exception as e:  # noqa: BLE001 - a bad version must not kill the worker
+            self._refuse(policy, reply.version, engine, repr(e))
+            return
+        if update.how != "held":
+            log.info("%s: loaded weights v%d (%s, %d bytes read, %s tensors changed) in %.0f ms", policy,
+                     update.version, update.how, update.bytes_read,
+                     "all" if update.changed is None else len(update.changed), update.seconds * 1e3)
+        if update.version < reply.version:
+            self._refuse(policy, reply.version, engine, f"reached only {update.name}")
+
+    async def take(self, policy: str, engine, tensors: dict, manifest, received: int) -> None:
         t0 = time.perf_counter()
-        path = path_of(reply.uri)
-        problem = verify(path)
-        if problem is None:
-            try:
-                await engine.load_weights(path, reply.version)
-            except Exception as e:  # noqa: BLE001 - a bad file must not kill the worker
-                problem = f"{path}: {e!r}"
-        if problem is None:
-            log.info("%s: loaded weights v%d in %.0f ms", policy, reply.version, (time.perf_counter() - t0) * 1e3)
-        elif self.refused.get(policy) != reply.version:
-            self.refused[policy] = reply.version
-            log.error("%s: weights v%d not loaded, staying at v%d: %s", policy, reply.version, engine.version, problem)
+        try:
+            changed = await self.followers[policy].take(engine, tensors, manifest)
+        except Exception as e:  # noqa: BLE001 - weights that do not fit must not kill the worker
+            self._refuse(policy, manifest.version, engine, repr(e))
+            return
+        if changed != frozenset():
+            log.info("%s: loaded weights v%d (collective, %d bytes received, %s tensors changed) in %.0f ms", policy,
+                     manifest.version, received, "all" if changed is None else len(changed),
+                     (time.perf_counter() - t0) * 1e3)
+
+    def _refuse(self, policy: str, version: int, engine, problem: str) -> None:
+        if self.refused.get(policy) != version:
+            self.refused[policy] = version
+            log.error("%s: weights v%d not loaded, staying at v%d: %s", policy, version, engine.version, problem)
 
     async def episode(self, task: m.Task) -> None:
         try:
@@ -262,6 +300,11 @@ class RolloutWorker:
             t0 = time.perf_counter()
             self.engines = build_engines(self.rundir, self.policies)
             self.engine_load_s = time.perf_counter() - t0
+        # torch: only after the engine's library set its threads
+        from astraflow.weights import collective
+        from astraflow.weights.follower import Follower
+
+        self.followers = {p: Follower(self.rundir.path / "weights" / p) for p in self.policies}
         self.hardware = hardware.describe()
         self.acks = open(self.rundir.path / "logs" / f"acks-{self.base_id}.jsonl", "a")
         tokenizer = run_tokenizer(self.rundir)
@@ -273,7 +316,9 @@ class RolloutWorker:
             rng=np.random.default_rng([cfg.run.seed, os.getpid()]), roles=cfg.roles, workflow=cfg.workflow,
             environment=await self.environment(), tools=Sandbox(hide=(str(self.rundir.path),)))
         self.client = AsyncClient(wait_rendezvous(self.rundir.path)["address"], self.rundir.read_secret(), timeout_s=10)
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
+        for policy in self.policies:
+            collective.listen(self.rundir.path, policy, cfg.weights, lambda *v, p=policy: self.receive(p, *v))
         background = []
         try:
             await self.rpc(lambda: m.Heartbeat(self.worker_id))  # registers

@@ -2,8 +2,10 @@
 
 Per step: pull the step's batch from the dataflow rank (blocking; a replayed step after a
 restart gets the same samples), let the backend train on it (`Backend.train_step`), publish
-weights version = step (rank 0, filesystem channel, in the training dtype), announce it,
-then acknowledge the step's samples (`Consumed`). Metrics go to `metrics/<policy>.csv` (a row
+weights version = step (rank 0, filesystem channel, in the training dtype: a full version or
+a sparse delta against the previous one, `weights/publisher.py`; in a local run also
+broadcast to the policy's workers, `weights/collective.py`), announce it, then
+acknowledge the step's samples (`Consumed`). Metrics go to `metrics/<policy>.csv` (a row
 per trained step, appended; a replayed step gets a row again and readers merge a step's rows:
 `analysis/metrics.py`) and to TensorBoard event files in `metrics/tensorboard/<policy>/`
 (`analysis/sinks.py`, with a sample completion every `checkpoint_every` steps); the
@@ -49,7 +51,10 @@ from astraflow.trainer.backend import Backend
 from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, prune_checkpoints
 from astraflow.trainer.lr import lr_at
 from astraflow.trainer.torch_backend import TorchBackend
-from astraflow.weights.fs import publish, verify, version_dir
+from astraflow.weights.collective import TrainerChannel
+from astraflow.weights.manifest import WeightsError, newest_dir
+from astraflow.weights.publisher import Publisher
+from astraflow.weights.reader import load_version
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,10 @@ class Trainer:
         if ckpt is not None:
             self.step = self.backend.load(ckpt)
             log.info("resumed from %s (step %d)", ckpt.name, self.step)
+        self.publisher = Publisher(run.path / "weights", policy, self.base_dir, self.backend.publish_dtype,
+                                   run.config.weights.full_every)
+        # rank 0, in a local run: each version is also broadcast to the policy's workers
+        self.channel = TrainerChannel(run.path, policy, run.config.weights) if rank == 0 else None
         self.client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=BATCH_TIMEOUT_S)
         self.stop = False
         self.sinks: Sinks | None = None  # rank 0's (analysis/sinks.py), opened at its first row
@@ -114,19 +123,28 @@ class Trainer:
             self.client.abandon(seq)
             self.client.reconnect(read_rendezvous(self.run.path)["address"])
 
-    def publish(self, step: int) -> str:
-        return publish(self.backend.hf_state_dict(), self.base_dir, self.run.path / "weights", self.policy, step,
-                       dtype=self.backend.publish_dtype)
+    def publish(self, step: int) -> m.Published:
+        pub = self.publisher.publish(self.backend.hf_state_dict(), step)
+        log.info("published v%d (%s, %d bytes, %d of %d elements changed) in %.0f ms", step, pub.manifest.kind,
+                 pub.bytes_written, pub.manifest.changed, pub.manifest.elements, pub.seconds * 1e3)
+        sent = self.channel.send(self.publisher.last, pub.manifest) if self.channel is not None else None
+        if sent is not None:  # before `Published`: the workers then learn of it with the weights in hand
+            log.info("broadcast v%d in %.0f ms", step, sent * 1e3)
+        return m.Published(self.policy, step, pub.uri, checkpoint_steps(self.ckpt_dir), pub.full, pub.base_uri)
 
     def republish_if_damaged(self) -> None:
         """The resumed step's published weights are what workers load first: if they are
-        missing or damaged, publish them again from the checkpoint (the same model)."""
+        missing or damaged, publish them again from the checkpoint (the same model) as a full
+        version; if they are intact, the next version is a delta against them."""
         if self.step == 0:
             return
-        problem = verify(version_dir(self.run.path / "weights", self.policy, self.step))
-        if problem is not None:
-            log.error("republishing v%d from the checkpoint: %s", self.step, problem)
-            self.call(m.Published(self.policy, self.step, self.publish(self.step), checkpoint_steps(self.ckpt_dir)))
+        try:
+            weights, manifest = load_version(self.run.path / "weights", self.policy, self.step)
+        except WeightsError as e:
+            log.error("republishing v%d from the checkpoint: %s", self.step, e)
+            self.call(self.publish(self.step))
+            return
+        self.publisher.adopt(weights, newest_dir(self.run.path / "weights" / self.policy, self.step))
 
     def run_loop(self) -> None:
         if self.rank == 0:  # one Ready per group: a second one would hand back what rank 0 was served
@@ -198,7 +216,7 @@ class Trainer:
             # the metrics row before `Consumed`: killed in between, the step is replayed and its
             # rows merged; killed after `Consumed` with the row unwritten, the step was lost to them
             self.record(row, reply.trajectories)
-            self.call(m.Published(self.policy, step, self.publish(step), checkpoint_steps(self.ckpt_dir)))
+            self.call(self.publish(step))
             self.call(m.Consumed(self.policy, step, ids))
             with open(self.run.path / "metrics" / f"{self.policy}.consumed.jsonl", "a") as ledger:
                 ledger.write(json.dumps({"step": step, "ids": ids}) + "\n")  # the trainer's own ledger

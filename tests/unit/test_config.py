@@ -68,6 +68,13 @@ def test_choices_are_listed():
     with pytest.raises(ConfigError, match=r"selection: expected 0 < explore <= 1 and max_streak >= 1, "
                                           r"got explore=0.0, max_streak=4"):
         parse_config(BASE_CONFIG, overrides=["selection.explore=0"])
+    with pytest.raises(ConfigError, match=r"weights: expected full_every >= 1, bucket_mb > 0 and "
+                                          r"broadcast_timeout_s > 0, got 0, 256.0, 30.0"):
+        parse_config(BASE_CONFIG, overrides=["weights.full_every=0"])
+    with pytest.raises(ConfigError, match=r"weights.channel.*'nccl'"):
+        parse_config(BASE_CONFIG, overrides=["weights.channel=nccl"])
+    with pytest.raises(ConfigError, match=r"rollout.weight_poll_s: expected > 0, got 0.0"):
+        parse_config(BASE_CONFIG, overrides=["rollout.weight_poll_s=0"])
 
 
 def test_duplicate_policy_rejected():

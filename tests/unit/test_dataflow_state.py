@@ -190,8 +190,41 @@ def test_weight_retention_keeps_last_k_and_pinned(env):
     for v in range(6):
         (wdir / f"v{v}").mkdir(parents=True)
         state.handle(m.Published("policy", v, f"file://{wdir}/v{v}", pinned=[1]))
+    state.weights.deleter.wait()
     assert sorted(p.name for p in wdir.iterdir()) == ["v1", "v3", "v4", "v5"]  # keep_versions=3, v1 pinned
     assert state.handle(m.Weights("policy")) == m.WeightsReply(5, f"file://{wdir}/v5")
+
+
+def test_weight_retention_keeps_what_kept_deltas_are_read_on_and_replaced_versions_for_a_while(env):
+    """A kept delta version keeps its base, transitively: the newest full version and every
+    delta after it survive however far back the full version is. A version published again
+    (a replayed step) leaves its first directory in place until it falls below the kept ones."""
+    run, state, clock = env
+    wdir = run.path / "weights" / "policy"
+
+    def publish(name: str, version: int, base: str = "") -> None:
+        (wdir / name).mkdir(parents=True)
+        state.handle(m.Published("policy", version, f"file://{wdir}/{name}", full=not base,
+                                 base=f"file://{wdir}/{base}" if base else ""))
+
+    publish("v1", 1)
+    for v in range(2, 8):
+        publish(f"v{v}", v, base=f"v{v - 1}")
+    state.weights.deleter.wait()
+    assert sorted(p.name for p in wdir.iterdir()) == [f"v{v}" for v in range(1, 8)]  # v7's chain reaches v1
+    for name, v, base in (("v8", 8, ""), ("v9", 9, "v8"), ("v10", 10, "v9")):
+        publish(name, v, base)
+    state.weights.deleter.wait()
+    assert sorted(p.name for p in wdir.iterdir()) == ["v10", "v8", "v9"]
+    publish("v10-1", 10)  # step 10 replayed by a restarted trainer: a full version of its own
+    publish("v11", 11, base="v10-1")
+    state.weights.deleter.wait()
+    assert sorted(p.name for p in wdir.iterdir()) == ["v10", "v10-1", "v11", "v8", "v9"]
+    assert state.handle(m.Weights("policy")) == m.WeightsReply(11, f"file://{wdir}/v11")
+    for v in (12, 13, 14):
+        publish(f"v{v}", v)
+    state.weights.deleter.wait()
+    assert sorted(p.name for p in wdir.iterdir()) == ["v12", "v13", "v14"]
 
 
 def test_status_schema(env):

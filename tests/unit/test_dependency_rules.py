@@ -59,3 +59,13 @@ def test_dataflow_rank_starts_without_heavy_modules():
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_worker_and_evaluation_load_torch_only_with_their_engine():
+    """OpenMP reads OMP_NUM_THREADS when torch loads, and `import_library` sets it first
+    (`rollout/engines/__init__.py`): a module-level torch import on the way to the worker or
+    the evaluation would run every engine batch with one thread per core."""
+    code = ("import sys, astraflow.rollout.worker, astraflow.rollout.evaluate, astraflow.rollout.standby; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from astraflow.models import policy_model_dir, wait_for_model
@@ -18,7 +19,8 @@ from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.trainer.batch import TokenBatch
 from astraflow.trainer.scoring import PolicyScorer
-from astraflow.weights.fs import load_state_dict, path_of, publish
+from astraflow.weights.follower import Follower
+from astraflow.weights.publisher import Publisher
 from tests.conftest import hf_engine, make_run
 from tests.unit.engine_parity import check_reloads, teacher_forced
 
@@ -119,20 +121,85 @@ def test_reload_serves_exactly_the_published_weights(model_dir, tmp_path):
     with torch.no_grad():  # a "training step": every tensor moves, lm_head included
         for p in trainer_model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    uri = publish(trainer_model.state_dict(), model_dir, tmp_path / "weights", "policy", 3)
-    final = path_of(uri)
-    assert final.name == "v3" and not list(final.parent.glob(".*tmp"))
-    assert set(load_state_dict(uri)) == set(trainer_model.state_dict())
+    pub = Publisher(tmp_path / "weights", "policy", model_dir).publish(trainer_model.state_dict(), 3)
+    final = tmp_path / "weights" / "policy" / "v3"
+    assert pub.manifest.name == "v3" and not list(final.parent.glob(".*tmp"))
+    assert set(load_file(str(final / "model.safetensors"))) == set(trainer_model.state_dict())
     engine = hf_engine(model_dir, seed=2)
     prompt = engine.tok.encode_prompt("5+5=")
 
     async def go():
-        await engine.load_weights(final, 3)
+        await Follower(final.parent).bring(engine, final)
         return await engine.generate(prompt, SamplingParams(10, 1.0, engine.tok.stop_ids))
 
     out = asyncio.run(go())
     assert out.version == 3
     np.testing.assert_allclose(out.logprobs, teacher_forced(trainer_model, prompt, out.tokens, 1.0), atol=1e-5)
+
+
+def test_an_engine_behind_a_damaged_delta_keeps_its_weights_until_the_next_full_version(model_dir, tmp_path):
+    """v3's delta is damaged: the engine at v2 is not taken back to the last full version (v1)
+    the reader falls back to; v4 is reached only at the next full version, v5, which is then
+    installed whole (the engine's tensors are the trainer's, bit for bit)."""
+    trainer_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    policy_dir = tmp_path / "weights" / "policy"
+    publisher = Publisher(tmp_path / "weights", "policy", model_dir, full_every=100)
+    follower, engine = Follower(policy_dir), hf_engine(model_dir)
+
+    def step(version: int) -> None:
+        with torch.no_grad():
+            for p in trainer_model.parameters():
+                p.add_(torch.randn_like(p) * 0.05 * (torch.rand_like(p) < 0.02))
+        publisher.publish(trainer_model.state_dict(), version)
+
+    def engine_is_trainer() -> bool:
+        theirs = trainer_model.state_dict()
+        return all(torch.equal(t, theirs[n]) for n, t in engine.model.state_dict().items())
+
+    for v in (1, 2):
+        step(v)
+        asyncio.run(follower.bring(engine, policy_dir / f"v{v}"))
+    v2 = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    assert engine.version == 2 and engine_is_trainer()
+    step(3)
+    step(4)
+    data = (policy_dir / "v3" / "delta.safetensors").read_bytes()
+    (policy_dir / "v3" / "delta.safetensors").write_bytes(data[: len(data) // 2])
+    update = asyncio.run(follower.bring(engine, policy_dir / "v4"))
+    assert (update.how, update.version) == ("fallback", 1)
+    assert engine.version == 2 and all(torch.equal(t, v2[n]) for n, t in engine.model.state_dict().items())
+    publisher.full_every = 1
+    step(5)
+    update = asyncio.run(follower.bring(engine, policy_dir / "v5"))
+    assert (update.how, update.version, update.changed) == ("full", 5, None)
+    assert engine.version == 5 and engine_is_trainer()
+
+
+def test_a_version_taken_from_the_collective_channel_installs_the_changed_tensors_and_deltas_follow(model_dir,
+                                                                                                   tmp_path):
+    trainer_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    policy_dir = tmp_path / "weights" / "policy"
+    publisher = Publisher(tmp_path / "weights", "policy", model_dir, full_every=100)
+    follower, engine = Follower(policy_dir), hf_engine(model_dir)
+    first = next(iter(trainer_model.parameters()))
+
+    def step(version: int, params) -> None:
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn_like(p) * 0.05 * (torch.rand_like(p) < 0.02))
+        publisher.publish(trainer_model.state_dict(), version)
+
+    step(1, trainer_model.parameters())
+    asyncio.run(follower.bring(engine, policy_dir / "v1"))
+    step(2, [first])  # as received over the collective channel: a copy of what was published
+    received = {n: t.clone() for n, t in publisher.last.items()}
+    changed = asyncio.run(follower.take(engine, received, publisher.last_manifest))
+    assert changed == {next(iter(publisher.last_manifest.tensors))} and engine.version == 2
+    assert all(torch.equal(t, trainer_model.state_dict()[n]) for n, t in engine.model.state_dict().items())
+    step(3, trainer_model.parameters())  # the filesystem's delta applies on top of what was received
+    update = asyncio.run(follower.bring(engine, policy_dir / "v3"))
+    assert (update.how, update.version) == ("delta", 3)
+    assert all(torch.equal(t, trainer_model.state_dict()[n]) for n, t in engine.model.state_dict().items())
 
 
 def test_a_component_started_with_the_run_waits_for_its_model(tmp_path, model_dir):

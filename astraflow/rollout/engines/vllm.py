@@ -4,7 +4,9 @@ Token ids in, token ids out (`skip_tokenizer_init`): AstraFlow owns tokenization
 are vLLM's *processed* logprobs — after temperature, the distribution the token was
 actually sampled from (the default, raw logprobs, would be wrong for temperature != 1).
 New weights are loaded in place between batches: on CPU by `vllm_swap` (a third of the time of
-vLLM's own `collective_rpc("reload_weights")`, which every other platform uses).
+vLLM's own `collective_rpc("reload_weights")`); elsewhere a model directory goes through
+`reload_weights` and an in-memory state dict (the weight channel's) through the model's own
+`load_weights` in each vLLM worker (`collective_rpc(load_named)`: no loader round trip).
 Identical requests in a batch (the members of a group) go to vLLM as one request for n samples.
 Forced tokens (a reference answer to score) go in as prompt tokens with prompt logprobs.
 vLLM leaves prompt logprobs at temperature 1: at T = 1 the forced token's own logprob is what
@@ -32,7 +34,6 @@ import numpy as np
 from astraflow.rollout.engines import vllm_swap
 from astraflow.rollout.engines.base import Completion, SamplingParams, stop_cut
 from astraflow.rollout.engines.batching import BatchingEngine
-from astraflow.weights.fs import load_state_dict
 
 CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TORCH_COMPILE_DISABLE": "1"}
@@ -126,10 +127,19 @@ class VLLMEngine(BatchingEngine):
 
     def read_weights(self, path: Path) -> dict | Path:
         """The tensors for an in-place swap; vLLM's `reload_weights` reads the directory itself."""
-        return load_state_dict(path) if self.swap_in_place else path
+        return super().read_weights(path) if self.swap_in_place else path
 
-    def load_path(self, weights: dict | Path) -> None:
-        if self.swap_in_place:
-            self.llm.collective_rpc(vllm_swap.swap, args=(weights,))
-        else:
+    def install(self, weights: dict | Path, changed: frozenset[str] | None = None) -> None:
+        if isinstance(weights, Path):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})
+        elif self.swap_in_place:  # whole tensors: q/k/v and gate/up are stacked together, all or none
+            self.llm.collective_rpc(vllm_swap.swap, args=(weights,))
+        else:  # the model's loader takes each checkpoint tensor on its own: only the changed ones
+            subset = weights if changed is None else {name: weights[name] for name in changed}
+            self.llm.collective_rpc(load_named, args=(subset,))
+
+
+def load_named(worker, weights: dict) -> None:
+    """Run in each vLLM worker: load Hugging Face-named tensors through the model's own
+    `load_weights` (it stacks q/k/v and gate/up and shards for tensor parallelism)."""
+    worker.model_runner.model.load_weights(weights.items())

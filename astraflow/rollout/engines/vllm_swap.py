@@ -45,7 +45,8 @@ def swap(worker, weights: dict[str, torch.Tensor]) -> None:
         module = modules[module_name]
         param = getattr(module, param_name)
         if param.numel() == 0:  # a linear weight freed after packing: the handle is rebuilt from it
-            param = torch.nn.Parameter(tensor.to(param.dtype).contiguous(), requires_grad=False)
+            # a copy: the caller's tensor (the weight channel's held state) is patched in place later
+            param = torch.nn.Parameter(tensor.to(param.dtype, copy=True).contiguous(), requires_grad=False)
             setattr(module, param_name, param)
         else:
             param.data[: tensor.shape[0]].copy_(tensor)  # vocabulary rows beyond the checkpoint's are padding
