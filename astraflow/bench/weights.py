@@ -93,16 +93,22 @@ def run_bench(like: str, size: str, lrs: list[float], versions: int, dtype_name:
     from astraflow.rollout.engines.hf import HFEngine
     from astraflow.weights.tensors import dtype_named
 
+    # the caller's thread count comes back afterwards: vLLM's CPU attention in the same process
+    # checks that its kernels run with the count its metadata was built with
+    previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    dtype = dtype_named(dtype_name)
-    with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
-        t0 = time.perf_counter()
-        model_dir = make_model(like, size, Path(tmp) / "model", corpus=["What is 12 + 7? 19"])
-        build_s = time.perf_counter() - t0
-        engine = HFEngine(model_dir, threads=threads)
-        parameters = sum(p.numel() for p in engine.model.parameters())
-        results = [measure_lr(model_dir, Path(tmp) / "weights", engine, lr, versions, dtype, 1 + 100 * i)
-                   for i, lr in enumerate(lrs)]
-        engine.close()
+    try:
+        dtype = dtype_named(dtype_name)
+        with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
+            t0 = time.perf_counter()
+            model_dir = make_model(like, size, Path(tmp) / "model", corpus=["What is 12 + 7? 19"])
+            build_s = time.perf_counter() - t0
+            engine = HFEngine(model_dir, threads=threads)
+            parameters = sum(p.numel() for p in engine.model.parameters())
+            results = [measure_lr(model_dir, Path(tmp) / "weights", engine, lr, versions, dtype, 1 + 100 * i)
+                       for i, lr in enumerate(lrs)]
+            engine.close()
+    finally:
+        torch.set_num_threads(previous)
     return {"like": like, "size": size, "parameters": parameters, "dtype": dtype_name, "workers": 1,
             "channel": "filesystem", "build_s": build_s, "threads": threads, "results": results}

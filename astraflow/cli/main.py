@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--versions", type=int, default=3, help="delta versions per learning rate (medians over them)")
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="the publish dtype (the training dtype)")
-    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--threads", type=int, default=2, help="torch threads of the trainer side and the worker's engine")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_weights)
     return parser
