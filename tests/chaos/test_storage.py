@@ -160,7 +160,9 @@ def test_a_journal_deleted_mid_run_stops_the_rank_and_the_rescued_copy_resumes_t
     proc, run_dir = start(tmp_path, steps=12, extra=["launcher.max_restarts=1"])
     journal = run_dir / "journal" / "journal.jsonl"
     try:
-        wait_steps(proc, run_dir, 3)
+        # four metric rows: a step's row is written before its Consumed, so three steps are
+        # surely acknowledged (and in the trainer's ledger) only once the fourth row is there
+        wait_steps(proc, run_dir, 4)
         journal.unlink()
         out, err = finish(proc, timeout_s=120)
     finally:
