@@ -80,6 +80,20 @@ def finish(proc: subprocess.Popen, timeout_s: float = 300) -> tuple[str, str]:
         raise AssertionError(f"the run did not finish within {timeout_s}s\n{diagnosis(run_dir)}") from None
 
 
+def run_fails_after(proc: subprocess.Popen, run_dir: Path, steps: int, damage, timeout_s: float) -> str:
+    """Wait for `steps` metric rows, call `damage()`, and let the run fail: the launcher's
+    failure message, which names the component and then quotes its log's last error."""
+    try:
+        wait_steps(proc, run_dir, steps)
+        damage()
+        _, err = finish(proc, timeout_s=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, err[-3000:]
+    return err[err.rindex("astraflow run:"):]
+
+
 def diagnosis(run_dir: Path, lines: int = 12) -> str:
     """The tails of a run's logs and its last metrics: what a failed chaos test reports."""
     last = [{k: r[k] for k in ("step", "reward_mean", "generated", "wait_s")} for r in read_metrics(run_dir, "policy")[-3:]]

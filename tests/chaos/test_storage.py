@@ -20,7 +20,7 @@ from astraflow.dataflow.state import DataflowState, StoreFull
 from astraflow.protocol import messages as m
 from astraflow.store.reader import ShardCorrupt, ShardReader, iter_shards, load_rows
 from astraflow.weights.manifest import DELTA_FILE, FULL_FILE, newest_dir, read_manifest
-from tests.chaos.harness import check_ledgers_and_audit, finish, resume, start, wait_steps
+from tests.chaos.harness import check_ledgers_and_audit, finish, resume, run_fails_after, start, wait_steps
 from tests.conftest import make_run
 
 pytestmark = pytest.mark.chaos
@@ -92,17 +92,10 @@ def test_with_no_margin_a_turn_that_does_not_fit_never_reaches_hdf5(small_fs):
 def test_full_filesystem_stops_the_run_cleanly_and_it_resumes_when_there_is_room(tmp_path, small_fs):
     run_dir = small_fs / "run"
     proc, _ = start(tmp_path, steps=14, extra=["launcher.max_restarts=2", "store.min_free_mb=4"], run_dir=run_dir)
-    try:
-        wait_steps(proc, run_dir, 3)
-        filler = fill(small_fs)
-        out, err = finish(proc, timeout_s=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    message = err[err.rindex("astraflow run:"):]  # names the component, then quotes its log's last error
-    assert "No space left on device" in message or "MB free" in message, err[-3000:]
-    filler.unlink()
+    fillers = []
+    message = run_fails_after(proc, run_dir, 3, lambda: fillers.append(fill(small_fs)), timeout_s=240)
+    assert "No space left on device" in message or "MB free" in message, message
+    fillers[0].unlink()
     for path in iter_shards(run_dir):  # nothing the full disk touched is corrupt
         ShardReader(path).close()
     assert not list((run_dir / "shards" / "quarantine").glob("*.h5"))
@@ -159,18 +152,10 @@ def test_a_journal_deleted_mid_run_stops_the_rank_and_the_rescued_copy_resumes_t
     rescued copy is moved back the run resumes and finishes with audit ok."""
     proc, run_dir = start(tmp_path, steps=12, extra=["launcher.max_restarts=1"])
     journal = run_dir / "journal" / "journal.jsonl"
-    try:
-        # four metric rows: a step's row is written before its Consumed, so three steps are
-        # surely acknowledged (and in the trainer's ledger) only once the fourth row is there
-        wait_steps(proc, run_dir, 4)
-        journal.unlink()
-        out, err = finish(proc, timeout_s=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    message = err[err.rindex("astraflow run:"):]  # names the component, then quotes its log's last error
-    assert message.startswith("astraflow run: dataflow failed") and "journal.jsonl" in message, err[-3000:]
+    # four metric rows: a step's row is written before its Consumed, so three steps are surely
+    # acknowledged (and in the trainer's ledger) only once the fourth row is there
+    message = run_fails_after(proc, run_dir, 4, journal.unlink, timeout_s=120)
+    assert message.startswith("astraflow run: dataflow failed") and "journal.jsonl" in message, message
     rank_log = (run_dir / "logs" / "dataflow.log").read_text()
     assert "(the run's journal) was deleted while the dataflow rank was writing it" in rank_log
     assert "journal.jsonl is missing or empty but shard-" in rank_log  # and the restart refused
