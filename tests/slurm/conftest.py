@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
@@ -95,6 +96,18 @@ def trainer_step(run_dir: Path) -> int:
 
 def events(run_dir: Path, kind: str) -> list[dict]:
     return [e for e in replay(run_dir / "journal") if e.get("ev") == kind]
+
+
+def declared_dead(run_dir: Path, worker_base: str) -> tuple[float, int] | None:
+    """(epoch seconds, leases handed back) of the rank's log line declaring an incarnation of
+    `worker_base` dead, or None before it."""
+    log = run_dir / "logs" / "dataflow.log"
+    text = log.read_text() if log.exists() else ""
+    m = re.search(rf"^(\S+ \S+) dataflow WARNING \S+: worker {re.escape(worker_base)}\.r\d+ silent for \S+: "
+                  rf"declared dead, (\d+) leases handed back", text, re.M)
+    if m is None:
+        return None
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), int(m.group(2))
 
 
 def in_queue(job_id: str) -> bool:
