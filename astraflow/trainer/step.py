@@ -1,0 +1,93 @@
+"""One training step on a served batch, for any backend: minibatches, micro-batches, the
+proximal policy, the decoupled-PPO loss and the KL term, and the step's statistics.
+
+The rank's share of the batch is cut into `minibatches`, each one optimizer step; each
+minibatch into micro-batches of at most `max_tokens_per_microbatch` tokens whose gradients
+accumulate. The proximal policy is the weights before the step's first update: for the
+first minibatch its own forward pass, detached; for the others, scored up front without
+gradient. The loss (`trainer/loss.py`) is a token-mean over each minibatch's trained tokens
+on all data-parallel ranks, so the gradient does not depend on how rows were cut into
+micro-batches or dealt to ranks: each rank divides by the global token count / the
+data-parallel size, and the backend averages gradients over the data-parallel ranks.
+
+What differs between backends is behind `Steppable`: how a micro-batch is scored
+(`scores`), how gradients accumulate without synchronising (`accumulate`), the compute
+precision (`autocast`), sums over data-parallel ranks (`data_sum`), and how the
+accumulated gradients are synchronised and clipped before the optimizer step
+(`finish_gradients`, returning the gradient norm).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from astraflow.protocol.messages import BatchReply
+from astraflow.trainer.batch import TokenBatch, micro_batches
+from astraflow.trainer.loss import LossSums, decoupled_ppo_loss
+from astraflow.trainer.scoring import Scores
+
+
+class Steppable(Protocol):
+    tcfg: Any  # config.schema.TrainerConfig
+    device: torch.device
+    pad_id: int
+    data_world: int  # data-parallel ranks
+    model: torch.nn.Module
+    optim: torch.optim.Optimizer
+
+    def scores(self, batch: TokenBatch, train: bool) -> Scores: ...
+
+    def accumulate(self, last: bool) -> contextlib.AbstractContextManager: ...
+
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+
+    def data_sum(self, value: float) -> float: ...
+
+    def finish_gradients(self) -> float: ...
+
+
+def train_step(b: Steppable, reply: BatchReply, step: int, lr: float) -> dict[str, float]:
+    """Train on this rank's share of a step's batch; the step's statistics."""
+    tcfg = b.tcfg
+    b.model.train()
+    n = len(reply.sample_ids)
+    per = max(1, n // tcfg.minibatches)
+    parts = [[mb.to(b.device) for mb in micro_batches(reply, np.arange(lo, min(lo + per, n)),
+                                                       tcfg.max_tokens_per_microbatch, b.pad_id)]
+             for lo in range(0, n, per)]
+    with torch.no_grad(), b.autocast():  # the proximal policy of the later minibatches
+        prox = [[None] * len(part) if k == 0 else [b.scores(mb, train=False).logp.float() for mb in part]
+                for k, part in enumerate(parts)]
+    for group in b.optim.param_groups:
+        group["lr"] = lr
+    sums, grad_norm, lag, trained = LossSums(), 0.0, 0.0, 0
+    for k, part in enumerate(parts):
+        # the token-mean over the minibatch on all ranks; gradients are then averaged over ranks
+        normalizer = b.data_sum(sum(mb.tokens for mb in part)) / b.data_world
+        b.optim.zero_grad(set_to_none=True)
+        for j, mb in enumerate(part):
+            with b.accumulate(j == len(part) - 1), b.autocast():
+                scores = b.scores(mb, train=True)
+                p = scores.logp.detach() if k == 0 else prox[k][j]
+                loss, mb_sums = decoupled_ppo_loss(scores.logp, p, mb.behaviour_logp, mb.advantages,
+                                                   tcfg.clip_eps, tcfg.is_cap, normalizer, scores.entropy)
+                if scores.kl_ref is not None:
+                    kl = scores.kl_ref.sum()
+                    loss = loss + tcfg.ref_kl * kl / max(normalizer, 1.0)
+                    mb_sums.kl_ref = float(kl)
+            loss.backward()
+            sums.add(mb_sums)
+            lag += float((step - 1 - mb.versions).float().sum())
+            trained += mb.tokens
+        grad_norm = b.finish_gradients()
+        b.optim.step()
+    stats = {"loss": sums.loss / max(trained, 1), "clip_frac": sums.mean("clipped"),
+             "is_weight": sums.mean("is_weight"), "behaviour_kl": sums.mean("behaviour_kl"),
+             "entropy": sums.mean("entropy"), "grad_norm": grad_norm,
+             "completion_len": trained / max(1, n), "version_lag": lag / trained if trained else 0.0}
+    if tcfg.ref_kl:
+        stats["kl_ref"] = sums.mean("kl_ref")
+    return stats
