@@ -224,6 +224,7 @@ def _check_trainer_shapes(cfg: Config, where: _Where) -> None:
     world = cfg.trainer.world
     if world < 1:
         raise ConfigError(f"{where.at('trainer.world')}: trainer.world: expected >= 1, got {world}")
+    _check_parallel(cfg, where)
     for p in cfg.policies:
         t = cfg.trainer_for(p.name)
         key = f"policies.{p.name}.batch_size" if p.batch_size is not None else "trainer.batch_size"
@@ -236,6 +237,26 @@ def _check_trainer_shapes(cfg: Config, where: _Where) -> None:
     if cfg.trainer.max_tokens_per_microbatch < 0 or cfg.trainer.logprob_chunk_tokens < 1:
         raise ConfigError(f"{where.at('trainer')}: trainer: expected max_tokens_per_microbatch >= 0 (0: no limit) "
                           f"and logprob_chunk_tokens >= 1")
+
+
+def _check_parallel(cfg: Config, where: _Where) -> None:
+    """trainer.world = tp x pp x dp, and the torch backend is data parallel only. (That tp
+    divides the model's heads and pp its layers is checked with the model: launch/inputs.py.)"""
+    t = cfg.trainer
+    for key, value, least in (("tp", t.tp, 1), ("pp", t.pp, 1), ("dp", t.dp, 0)):
+        if value < least:
+            raise ConfigError(f"{where.at(f'trainer.{key}')}: trainer.{key}: expected >= {least}, got {value}")
+    if t.backend == "torch" and (t.tp, t.pp) != (1, 1):
+        key = "tp" if t.tp != 1 else "pp"
+        raise ConfigError(f"{where.at(f'trainer.{key}')}: trainer.{key}: {getattr(t, key)}, but the torch backend is "
+                          f"data parallel only (tp = pp = 1); tensor and pipeline parallelism need "
+                          f"trainer.backend: megatron")
+    if t.world % (t.tp * t.pp):
+        raise ConfigError(f"{where.at('trainer.world')}: trainer.world: {t.world} ranks do not make whole model "
+                          f"replicas of tp x pp = {t.tp} x {t.pp} = {t.tp * t.pp} ranks")
+    if t.dp and t.tp * t.pp * t.dp != t.world:
+        raise ConfigError(f"{where.at('trainer.dp')}: trainer.dp: tp x pp x dp = {t.tp} x {t.pp} x {t.dp} = "
+                          f"{t.tp * t.pp * t.dp} ranks, but trainer.world is {t.world}")
 
 
 def _check_roles(cfg: Config, where: _Where) -> None:

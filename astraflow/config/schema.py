@@ -271,7 +271,9 @@ class SelectionConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    backend: str = choice("torch", "torch")
+    # torch: a Hugging Face model replicated on every rank (data parallel, DDP);
+    # megatron: megatron-core, tensor parallel over `tp` ranks (trainer/megatron/)
+    backend: str = choice("torch", "torch", "megatron")
     steps: int = 50  # training steps; the run ends when every policy has done its steps
     batch_size: int = 64  # samples per step, all ranks together
     lr: float = 1e-3  # peak learning rate (AdamW)
@@ -287,7 +289,13 @@ class TrainerConfig:
     ref_kl: float = 0.0
     minibatches: int = 1  # optimizer steps per training step (each rank's share cut this many times)
     checkpoint_every: int = 10  # steps between checkpoints (a restarted trainer resumes from the last)
-    world: int = 1  # trainer ranks per policy (torch.distributed data parallel)
+    world: int = 1  # trainer ranks per policy: tp x pp x dp
+    # megatron: tensor-parallel ranks, which must divide the attention and kv heads, and
+    # pipeline stages, which must divide the layers. Runs take 1 and 1 for now (tp > 1 runs in
+    # the backend's tests only; pp > 1 is not built); the torch backend has 1 and 1.
+    tp: int = 1
+    pp: int = 1  # see tp
+    dp: int = 0  # data-parallel replicas; 0: world / (tp x pp)
     threads: int = 1  # torch CPU threads per trainer rank
     # Memory at LLM scale: a minibatch is cut into micro-batches of at most this many tokens
     # (padding included; sequences of similar length go together) whose gradients accumulate;

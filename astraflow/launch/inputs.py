@@ -3,6 +3,8 @@ data set (every row), the reward, the model family's shape. A problem is one Con
 naming the file, line (or row) and field; `astraflow run` and the Slurm job's dataflow task
 exit with it (code 2) within seconds, instead of starting components that would wait for a
 rank that never publishes or crash-loop on a load. No torch here: JSON and data files only.
+The trainer's parallel layout is checked against the model: tp must divide its attention and
+kv heads, pp its layers, and the megatron backend must support its config.json.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from astraflow.config.schema import Config
 from astraflow.models.directory import ModelDirError, check_model_dir
 from astraflow.models.families import FAMILIES
 from astraflow.tasks.sources import TaskSource
+from astraflow.trainer.megatron.spec import MappingError, ModelSpec
 from astraflow.workflows.rewards import load_reward
 
 
@@ -28,16 +31,25 @@ def check_inputs(cfg: Config) -> None:
     m, t = cfg.model, cfg.tasks
     if m.path:
         try:
-            check_model_dir(m.path)
+            info = check_model_dir(m.path)
         except ModelDirError as e:
             raise ConfigError(f"model.path: {e}") from None
         chat = has_chat_template(Path(m.path))
+        shape = (info.heads, info.kv_heads, info.layers)
+        if cfg.trainer.backend == "megatron":
+            try:
+                ModelSpec.of(json.loads((Path(m.path) / "config.json").read_text()))
+            except MappingError as e:
+                raise ConfigError(f"model.path: {m.path}: {e}") from None
     else:
         family = FAMILIES[m.like]
         if m.size not in family.shapes:
             raise ConfigError(f"model.size: {m.size!r} is not a size of model.like {m.like!r}; expected one of "
                               f"{list(family.shapes)}")
         chat = bool(family.chat_template)
+        s = family.shapes[m.size]
+        shape = (s.heads, s.kv_heads, s.layers)
+    check_parallel_shape(cfg, *shape, m.path or f"model.like {m.like} at size {m.size}")
     if (t.chat_template or t.messages_key) and not chat:
         raise ConfigError(f"tasks.{'chat_template' if t.chat_template else 'messages_key'}: prompts go through a chat "
                           f"template, but the model ({m.path or 'model.like ' + m.like}) has none")
@@ -45,6 +57,22 @@ def check_inputs(cfg: Config) -> None:
         raise ConfigError(f"tasks.path: required when tasks.kind is {t.kind!r}")
     TaskSource(t)  # reads and validates every row
     load_reward(t.reward)
+
+
+def check_parallel_shape(cfg: Config, heads: int, kv_heads: int, layers: int, model: str) -> None:
+    """Tensor parallelism splits attention by heads and kv heads, pipeline parallelism the
+    layers: each must divide. Runs with either are not built yet (the trainer loop deals each
+    rank its own rows and publishes from rank 0 alone), so they are refused after that."""
+    t = cfg.trainer
+    if heads % t.tp or kv_heads % t.tp:
+        raise ConfigError(f"trainer.tp: {t.tp} does not divide the model's {heads} attention heads and {kv_heads} "
+                          f"kv heads ({model})")
+    if layers % t.pp:
+        raise ConfigError(f"trainer.pp: {t.pp} does not divide the model's {layers} layers ({model})")
+    if t.tp * t.pp > 1:
+        key = "tp" if t.tp > 1 else "pp"
+        raise ConfigError(f"trainer.{key}: {getattr(t, key)}: runs with tensor or pipeline parallelism are not "
+                          f"built yet (the megatron backend runs them in tests only); expected 1")
 
 
 def open_run_checked(run_dir: str | Path, config: str | Path | None, overrides: list[str]) -> RunDir:

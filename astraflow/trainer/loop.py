@@ -62,7 +62,15 @@ BATCH_TIMEOUT_S = 30.0
 STOPPED_TIMEOUT_S = 5.0  # how long a stopping trainer tries to tell the rank
 STOP_POLL_S = 0.5  # how often a trainer waiting for a batch looks at its stop flag
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend}
+
+def _megatron(*args) -> Backend:
+    """Imported when used: megatron-core is heavy, and redirects its CUDA calls on a CPU."""
+    from astraflow.trainer.megatron.backend import MegatronBackend
+
+    return MegatronBackend(*args)
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend, "megatron": _megatron}
 
 METRIC_FIELDS = ("step", "time", "reward_mean", "reward_trained", "generated", "loss", "clip_frac", "is_weight",
                  "behaviour_kl", "entropy", "grad_norm", "samples", "tokens", "completion_len", "version_lag",

@@ -1,0 +1,172 @@
+"""The `megatron` trainer backend: a megatron-core GPTModel, tensor- and data-parallel.
+
+Built for one rank of a trainer group whose torch.distributed world is already initialised
+when `world > 1` (`trainer/loop.py`): megatron's groups are formed over it with
+`trainer.tp` (and `trainer.pp`, 1 in this version); the rest of the world is data parallel.
+The model is built from the policy's HF directory and loaded through `mapping.py`; its
+logprobs are computed vocabulary-parallel (`scoring.py`); the step is the shared one
+(`trainer/step.py`: the torch backend's loss, KL term and statistics).
+
+This backend's part of a step: gradients accumulate locally over micro-batches, then are
+averaged over the data-parallel group (one all-reduce per parameter, on the minibatch's last
+micro-batch), clipped by their global norm (the squares of tensor-parallel shards summed over
+the tensor-parallel group, replicated parameters counted once), and `torch.optim.AdamW`
+steps (fp32 master weights; Megatron's optimizer needs a GPU; its distributed optimizer is
+not used yet). Forward and backward run under autocast in the compute dtype, as in the
+torch backend; `trainer.activation_checkpointing` is Megatron's full recompute.
+
+`hf_state_dict` is the model in HF layout. With tp = 1 every rank holds the whole model and
+rank 0 converts its own; with tp > 1 it gathers the tensor-parallel shards and so must be
+called on every rank of the group (a collective; the loop does not do that yet, so live runs
+keep tp = 1: `launch/inputs.py`). `save`/`load` write and read this rank's parameters and
+optimizer state as `step-<N>.pt` (with tp and pp recorded: a checkpoint loads only into the
+same tensor-parallel layout).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors.torch import load_file
+
+from astraflow import hardware
+from astraflow.config.schema import Config
+from astraflow.protocol.messages import BatchReply
+from astraflow.trainer.batch import TokenBatch
+from astraflow.trainer.checkpoint import commit_file
+from astraflow.trainer.megatron import model as mm
+from astraflow.trainer.megatron.mapping import to_hf, to_megatron
+from astraflow.trainer.megatron.scoring import score
+from astraflow.trainer.megatron.spec import ModelSpec
+from astraflow.trainer.scoring import Scores
+from astraflow.trainer.step import train_step
+
+
+def read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """An HF directory's weights (one safetensors file or an index of shards), in fp32."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        out.update(load_file(str(model_dir / name)))
+    return {k: v.float() for k, v in out.items()}
+
+
+class MegatronBackend:
+    def __init__(self, model_dir: Path, cfg: Config, policy: str, rank: int, world: int) -> None:
+        self.tcfg = cfg.trainer_for(policy)
+        self.tp, self.pp = self.tcfg.tp, self.tcfg.pp
+        if self.pp != 1:
+            raise ValueError(f"trainer.pp={self.pp}: the megatron backend has no pipeline parallelism yet")
+        self.device = hardware.device()
+        self.dtype = hardware.compute_dtype(cfg.model.dtype, self.device)
+        self.publish_dtype = self.dtype
+        if not dist.is_initialized():  # a group of one: megatron's groups still need a process group
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        mm.init_parallel(self.tp, self.pp, cfg.run.seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.data_world = parallel_state.get_data_parallel_world_size()
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.spec = ModelSpec.of(config)
+        self.padding_idx = config.get("pad_token_id")  # as the HF model's embedding: model.hidden_states
+        self.pad_id = int(self.padding_idx or 0)
+        hf = read_hf_weights(model_dir)
+        self.model = self._build(hf, self.tcfg.activation_checkpointing)
+        self.ref = None
+        if self.tcfg.ref_kl:  # the starting policy, frozen, for the KL term
+            self.ref = self._build(hf, False).eval()
+            self.ref.requires_grad_(False)
+        self.temperature = cfg.engine.temperature
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
+
+    def _build(self, hf: dict[str, torch.Tensor], recompute: bool) -> torch.nn.Module:
+        model = mm.build_model(self.spec, self.tp, self.dtype, recompute)
+        mm.load_shard(model, to_megatron(hf, self.spec, self.tp, self.tp_rank))
+        return model.to(self.device)
+
+    # ---------------------------------------------------------------- the step (trainer/step.py)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def data_sum(self, value: float) -> float:
+        if self.data_world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+        return float(t.item())
+
+    def scores(self, batch: TokenBatch, train: bool) -> Scores:
+        return score(self.model, batch, self.temperature, self.spec.vocab, self.tcfg.logprob_chunk_tokens, self.ref,
+                     self.padding_idx)
+
+    def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # gradients are synchronised in finish_gradients
+
+    def finish_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # unused in this minibatch: a zero gradient, for the collectives
+                p.grad = torch.zeros_like(p)
+        if self.data_world > 1:
+            group = parallel_state.get_data_parallel_group()
+            for p in params:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(self.data_world)
+        sharded = sum((p.grad.double().pow(2).sum() for p in params if getattr(p, "tensor_model_parallel", False)),
+                      torch.zeros((), dtype=torch.float64, device=self.device))
+        if self.tp > 1:
+            dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+        replicated = sum((p.grad.double().pow(2).sum() for p in params if not getattr(p, "tensor_model_parallel", False)),
+                         torch.zeros((), dtype=torch.float64, device=self.device))
+        norm = float((sharded + replicated).sqrt())
+        coef = min(1.0, self.tcfg.grad_clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
+    def train_step(self, reply: BatchReply, step: int, lr: float) -> dict[str, float]:
+        return train_step(self, reply, step, lr)
+
+    # ---------------------------------------------------------------- weights and checkpoints
+
+    def gather_shards(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every tensor-parallel rank's `tensors` (on the CPU), in rank order: a collective."""
+        own = {k: v.detach().cpu() for k, v in tensors.items()}
+        if self.tp == 1:
+            return [own]
+        gathered: list[dict[str, torch.Tensor]] = [None] * self.tp  # type: ignore[list-item]
+        dist.all_gather_object(gathered, own, group=parallel_state.get_tensor_model_parallel_group())
+        return gathered
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return to_hf(self.gather_shards(mm.parameters(self.model)), self.spec)
+
+    def save(self, ckpt_dir: Path, step: int) -> Path:
+        ckpt_dir = Path(ckpt_dir)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt_dir / f".step-{step}.pt.tmp"
+        torch.save({"model": mm.parameters(self.model), "optim": self.optim.state_dict(), "step": step,
+                    "tp": self.tp, "pp": self.pp}, tmp)
+        return commit_file(tmp, ckpt_dir / f"step-{step}.pt")
+
+    def load(self, path: Path) -> int:
+        state = torch.load(path, weights_only=True, map_location=self.device)
+        if (state.get("tp"), state.get("pp")) != (self.tp, self.pp):
+            raise ValueError(f"{path}: a checkpoint of tp={state.get('tp')}, pp={state.get('pp')}; this trainer "
+                             f"has tp={self.tp}, pp={self.pp} (resharding a checkpoint is not built yet)")
+        mm.load_shard(self.model, state["model"])
+        self.optim.load_state_dict(state["optim"])
+        return int(state["step"])
+
+    def score(self, batch: TokenBatch) -> torch.Tensor:
+        """Log-probabilities of a batch's targets under the current weights (no gradient)."""
+        with torch.no_grad(), self.autocast():
+            return self.scores(batch.to(self.device), train=False).logp.float().cpu()

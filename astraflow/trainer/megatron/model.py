@@ -1,0 +1,101 @@
+"""A megatron-core GPTModel for an HF model directory, and the parallel groups it runs in.
+
+`init_parallel(tp, pp)` sets up megatron's model-parallel groups over the already
+initialised torch.distributed world (data parallelism is what remains: world / (tp × pp)).
+`build_model(spec, tp, dtype)` builds the `GPTModel` of an HF `config.json`
+(`mapping.ModelSpec`) with megatron-core's local layer spec (no TransformerEngine: it runs
+on a CPU and on any GPU): RMSNorm with the config's eps, SwiGLU MLP, GQA with
+`num_query_groups`, q/k/v biases when the family has them, RoPE with the config's theta,
+tied or untied embeddings, no dropout (the RL loss's ratios compare two forward passes of
+the same weights: dropout would make them differ). The weights come from `load_hf` (via
+`mapping.to_megatron`), not from Megatron's initialisation, which is skipped.
+
+`hidden_states(model, input_ids)` runs the embedding and the decoder (final norm included)
+over right-padded rows and returns (batch, length, hidden): the output layer is applied by
+`scoring.py` to the trained positions only. The causal mask is passed explicitly (Megatron's
+default one is built on `"cuda"`).
+
+Without a GPU, `cpu.redirect_to_cpu()` is applied once megatron's modules are imported.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from astraflow.trainer.megatron.spec import ModelSpec
+
+if not torch.cuda.is_available():
+    from astraflow.trainer.megatron.cpu import redirect_to_cpu
+
+    redirect_to_cpu()
+
+
+def init_parallel(tp: int, pp: int, seed: int = 0) -> None:
+    """Megatron's tensor/pipeline/data-parallel groups over the current torch.distributed world,
+    and its RNG tracker (which attention forks into even without dropout). Seeding the tracker
+    seeds the default generator; on a CPU that is torch's own, so its state is kept."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    cpu_state = torch.get_rng_state()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    torch.set_rng_state(cpu_state)
+
+
+def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype, recompute: bool = False) -> TransformerConfig:
+    extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
+        if recompute else {}
+    return TransformerConfig(
+        num_layers=spec.layers, hidden_size=spec.hidden, ffn_hidden_size=spec.intermediate,
+        num_attention_heads=spec.heads, num_query_groups=spec.kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, params_dtype=torch.float32, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True, perform_initialization=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, **extra)
+
+
+def build_model(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, recompute: bool = False) -> GPTModel:
+    config = transformer_config(spec, tp, dtype, recompute)
+    return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec.padded_vocab(tp),
+                    max_sequence_length=spec.max_positions, position_embedding_type="rope",
+                    rotary_base=spec.rope_theta, share_embeddings_and_output_weights=spec.tied)
+
+
+def parameters(model: GPTModel) -> dict[str, torch.Tensor]:
+    """The model's parameters by name (no `_extra_state` entries)."""
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def load_shard(model: GPTModel, shard: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's parameters (`mapping.to_megatron`) into the model; every one must be there."""
+    own = parameters(model)
+    missing, extra = sorted(set(own) - set(shard)), sorted(set(shard) - set(own))
+    if missing or extra:
+        raise ValueError(f"megatron parameters: missing {missing}, unexpected {extra}")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(shard[name])
+
+
+def hidden_states(model: GPTModel, input_ids: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+    """(batch, length, hidden) after the final norm, for right-padded rows (causal attention).
+
+    The embedding of `padding_idx` (the config's `pad_token_id`) gets no gradient from its
+    lookups, as in the HF model (`nn.Embedding(padding_idx=...)`), so that both backends train
+    the same weights (it matters where the pad token is also a real one: Qwen2.5's
+    `<|endoftext|>`); its gradient through tied output weights is kept, as there."""
+    length = input_ids.shape[1]
+    positions = torch.arange(length, device=input_ids.device)[None].expand_as(input_ids)
+    embedded = model.embedding(input_ids=input_ids, position_ids=positions)  # (length, batch, hidden)
+    if padding_idx is not None:
+        embedded = torch.where((input_ids == padding_idx).T[..., None], embedded.detach(), embedded)
+    rotary = model.rotary_pos_emb(length)
+    mask = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
+    hidden = model.decoder(hidden_states=embedded, attention_mask=mask, rotary_pos_emb=rotary)
+    return hidden.transpose(0, 1)

@@ -1,0 +1,60 @@
+"""The trainer's parallel layout is checked before anything starts, each error naming the
+field and the numbers: world = tp x pp x dp (the config alone), tp dividing the model's
+attention and kv heads and pp its layers (with the model: `launch/inputs.py`), the torch
+backend data parallel only, a model directory the megatron backend cannot carry. The
+backend is chosen from an explicit table."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from astraflow.config.loader import ConfigError, parse_config
+from astraflow.launch.inputs import check_inputs
+from astraflow.models.factory import make_model
+from astraflow.trainer.loop import BACKENDS
+
+
+def config(trainer: str, model: str = "{like: qwen2.5, size: small}"):
+    return parse_config(f"model: {model}\ntrainer: {trainer}\npolicies: [{{name: policy}}]")
+
+
+@pytest.mark.parametrize("trainer, match", [
+    ("{backend: megatron, world: 4, tp: 2, dp: 3}",
+     r"trainer\.dp: tp x pp x dp = 2 x 1 x 3 = 6 ranks, but trainer\.world is 4"),
+    ("{backend: megatron, world: 3, tp: 2}",
+     r"trainer\.world: 3 ranks do not make whole model replicas of tp x pp = 2 x 1 = 2 ranks"),
+    ("{backend: torch, world: 2, tp: 2}", r"trainer\.tp: 2, but the torch backend is data parallel only"),
+    ("{backend: megatron, tp: 0}", r"trainer\.tp: expected >= 1, got 0"),
+    ("{backend: megatron, dp: -1}", r"trainer\.dp: expected >= 0, got -1"),
+])
+def test_a_world_that_is_not_tp_pp_dp_is_refused_by_the_config(trainer, match):
+    with pytest.raises(ConfigError, match=match):
+        config(trainer)
+
+
+@pytest.mark.parametrize("trainer, match", [
+    ("{backend: megatron, world: 4, tp: 4}",
+     r"trainer\.tp: 4 does not divide the model's 8 attention heads and 2 kv heads \(model\.like qwen2\.5 at size small\)"),
+    ("{backend: megatron, world: 3, pp: 3, batch_size: 63}", r"trainer\.pp: 3 does not divide the model's 4 layers"),
+    ("{backend: megatron, world: 2, tp: 2}", r"trainer\.tp: 2: runs with tensor or pipeline parallelism are not built yet"),
+])
+def test_tp_and_pp_must_divide_the_model(trainer, match):
+    with pytest.raises(ConfigError, match=match):
+        check_inputs(config(trainer))
+
+
+def test_a_model_directory_the_megatron_backend_cannot_carry_is_refused(tmp_path):
+    model = make_model("qwen2.5", "tiny", tmp_path / "m", tokenizer="char")
+    cfg_path = model / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "architectures": ["Qwen3ForCausalLM"]}))
+    check_inputs(config("{backend: torch}", f"{{path: {model}}}"))  # the torch backend loads it
+    with pytest.raises(ConfigError, match=r"model\.path: .*architectures \['Qwen3ForCausalLM'\]: the megatron backend"):
+        check_inputs(config("{backend: megatron}", f"{{path: {model}}}"))
+
+
+def test_data_parallel_megatron_and_the_backends_table():
+    check_inputs(config("{backend: megatron, world: 2, dp: 2}"))
+    assert sorted(BACKENDS) == ["megatron", "torch"]
+    with pytest.raises(ConfigError, match=r"trainer\.backend: 'jax' is not one of \['torch', 'megatron'\]"):
+        config("{backend: jax}")
