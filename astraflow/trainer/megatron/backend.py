@@ -39,7 +39,7 @@ from astraflow.protocol.messages import BatchReply
 from astraflow.trainer.batch import TokenBatch
 from astraflow.trainer.checkpoint import commit_file
 from astraflow.trainer.megatron import model as mm
-from astraflow.trainer.megatron.mapping import to_hf, to_megatron
+from astraflow.trainer.megatron.mapping import table, to_hf, to_megatron
 from astraflow.trainer.megatron.scoring import score
 from astraflow.trainer.megatron.spec import ModelSpec
 from astraflow.trainer.scoring import Scores
@@ -74,6 +74,7 @@ class MegatronBackend:
         self.data_world = parallel_state.get_data_parallel_world_size()
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.spec = ModelSpec.of(config)
+        self.sharded = {e.megatron for e in table(self.spec) if e.kind != "replicated"}
         self.padding_idx = config.get("pad_token_id")  # as the HF model's embedding: model.hidden_states
         self.pad_id = int(self.padding_idx or 0)
         hf = read_hf_weights(model_dir)
@@ -110,7 +111,8 @@ class MegatronBackend:
         return contextlib.nullcontext()  # gradients are synchronised in finish_gradients
 
     def finish_gradients(self) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         for p in params:
             if p.grad is None:  # unused in this minibatch: a zero gradient, for the collectives
                 p.grad = torch.zeros_like(p)
@@ -119,12 +121,14 @@ class MegatronBackend:
             for p in params:
                 dist.all_reduce(p.grad, group=group)
                 p.grad.div_(self.data_world)
-        sharded = sum((p.grad.double().pow(2).sum() for p in params if getattr(p, "tensor_model_parallel", False)),
-                      torch.zeros((), dtype=torch.float64, device=self.device))
+        # which parameters are split across the tensor-parallel ranks: from the mapping's table
+        # (Megatron marks them only when it initialises the weights, which is skipped here)
+        split = [n in self.sharded for n, _ in named]
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        sharded = sum((p.grad.double().pow(2).sum() for p, s in zip(params, split) if s), zero)
         if self.tp > 1:
             dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        replicated = sum((p.grad.double().pow(2).sum() for p in params if not getattr(p, "tensor_model_parallel", False)),
-                         torch.zeros((), dtype=torch.float64, device=self.device))
+        replicated = sum((p.grad.double().pow(2).sum() for p, s in zip(params, split) if not s), zero)
         norm = float((sharded + replicated).sqrt())
         coef = min(1.0, self.tcfg.grad_clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
