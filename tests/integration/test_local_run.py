@@ -117,11 +117,13 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
         reader.close()
 
 
-def test_two_trainer_ranks_train_one_batch_per_step_together(tmp_path):
-    """Two DDP ranks, each a slice of every step, with the KL term's frozen reference model."""
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_two_trainer_ranks_train_one_batch_per_step_together(tmp_path, backend):
+    """Two data-parallel ranks (DDP; Megatron's data-parallel group), each a slice of every
+    step, with the KL term's frozen reference model."""
     run_dir = tmp_path / "run"
     overrides = [*OVERRIDES, "trainer.world=2", "trainer.steps=4", "rollout.workers=1", "trainer.ref_kl=0.5",
-                 f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
+                 f"trainer.backend={backend}", f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
     out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
                           "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
