@@ -77,7 +77,7 @@ def train_step(b: Steppable, reply: BatchReply, step: int, lr: float) -> dict[st
                 if scores.kl_ref is not None:
                     kl = scores.kl_ref.sum()
                     loss = loss + tcfg.ref_kl * kl / max(normalizer, 1.0)
-                    mb_sums.kl_ref = float(kl)
+                    mb_sums.kl_ref = float(kl.detach())
             loss.backward()
             sums.add(mb_sums)
             lag += float((step - 1 - mb.versions).float().sum())
