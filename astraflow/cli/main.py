@@ -248,7 +248,8 @@ def _bench_learn(args: argparse.Namespace) -> int:
 def _bench_weights(args: argparse.Namespace) -> int:
     from astraflow.bench.weights import run_bench
 
-    result = run_bench(args.like, args.size, args.lr, args.versions, args.dtype, args.threads)
+    result = run_bench(args.like, args.size, args.lr, args.versions, args.dtype, args.threads, args.workers,
+                       args.rounds, args.bucket_mb)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -486,6 +487,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="the publish dtype (the training dtype)")
     b.add_argument("--threads", type=int, default=2, help="torch threads of the trainer side and the worker's engine")
+    b.add_argument("--workers", type=int, nargs="*", default=[],
+                   help="also the collective channel (gloo) to this many receiver processes each, beside a raw "
+                        "broadcast of the same bytes, e.g. --workers 1 4")
+    b.add_argument("--rounds", type=int, default=3, help="versions sent per worker count (medians over them)")
+    b.add_argument("--bucket-mb", type=float, default=256.0, help="the channel's bucket size (weights.bucket_mb)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_weights)
     return parser

@@ -306,8 +306,8 @@ class WeightsConfig:
     # against the previous version otherwise. 1: every version full.
     full_every: int = 10
     # `auto` / `collective`: the trainer's rank 0 also broadcasts each version to the rollout
-    # workers started with it (gloo; local runs: Slurm launches do not set up the groups yet),
-    # `weights/collective.py`. Workers that join later (arrays, standby workers, restarts) and
+    # workers started with it (gloo over CPU tensors; a local run's workers, a het job's
+    # rollout tasks), `weights/collective.py`. Workers that join later (arrays, standby workers, restarts) and
     # every version once a broadcast has failed take the filesystem, which always has them.
     # Opt-in (default `filesystem`) until it has run longer than the quickstart's few runs.
     channel: str = choice("filesystem", "auto", "filesystem", "collective")
