@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,18 +37,23 @@ def trainer_like(run) -> None:
     record_eval(run.path, EVAL, run.config)
 
 
+def wandb_records(directory: Path) -> list[dict]:
+    """Every record of an offline W&B run, read by W&B's own reader of its transaction log."""
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(directory)],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
 def test_wandb_offline_holds_every_row_text_and_eval_at_its_step(tmp_path):
     require("wandb")
     run = make_run(tmp_path, ["metrics.wandb.enabled=true", "metrics.wandb.project=tests"])
     trainer_like(run)
     runs = sorted((run.path / "metrics" / "wandb").glob("offline-run-*"))
     assert len(runs) == 3  # the trainer, the restarted trainer, the evaluation: one W&B run resumed
-    history: list[dict] = []
+    history: list[tuple[Path, dict]] = []
     run_ids = set()
     for directory in runs:
-        out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(directory)],
-                             capture_output=True, text=True, check=True, timeout=120).stdout
-        records = [json.loads(line) for line in out.splitlines()]
+        records = wandb_records(directory)
         run_ids |= {r["run"]["run_id"] for r in records if r["type"] == "run"}
         history += [(directory, r["history"]["item"]) for r in records if r["type"] == "history"]
     assert run_ids == {(run.path / "metrics" / "wandb-policy.id").read_text().strip()}
@@ -106,3 +112,35 @@ def test_an_enabled_backend_that_is_not_installed_refuses_the_run_before_it_star
     assert proc.stderr == (f"astraflow run: error: {key}: true, but {module} is not installed here: pip install "
                            f"{package} (or the 'astraflow[tracking]' extra), or set {key}=false\n")
     assert not run_dir.exists()  # refused before the run directory was made
+
+
+KILLED = """import sys, time
+from astraflow.analysis.sinks import open_sinks
+from astraflow.config.rundir import RunDir
+run = RunDir.open(sys.argv[1])
+sinks = open_sinks(run.path, "policy", ("step", "time", "reward_mean"), run.config)
+for step in (1, 2, 3):
+    sinks.scalars({"step": step, "time": 1e9 + step, "reward_mean": step / 4}, step, 1e9 + step)
+print("logged", flush=True)
+time.sleep(600)
+"""
+
+
+def test_wandb_rows_survive_a_killed_trainer(tmp_path):
+    """W&B writes its log to disk every `FLUSH_S` (its own default, 15 s, lost the rows of a
+    trainer killed within 15 s of logging them)."""
+    require("wandb")
+    from astraflow.analysis.sink_wandb import FLUSH_S
+
+    run = make_run(tmp_path, ["metrics.wandb.enabled=true"])
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(run.path)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline() == "logged\n"
+        time.sleep(FLUSH_S + 2.0)
+    finally:
+        proc.kill()
+        proc.wait()
+    (directory,) = (run.path / "metrics" / "wandb").glob("offline-run-*")
+    rows = [r["history"]["item"] for r in wandb_records(directory) if r["type"] == "history"]
+    assert [(r["step"], r["reward_mean"]) for r in rows] == [(1, 0.25), (2, 0.5), (3, 0.75)]
