@@ -108,16 +108,16 @@ class Sinks:
             sink.close()
 
 
-# config key, module, what to install: the optional backends
-OPTIONAL = (("metrics.wandb.enabled", "wandb", "wandb"), ("metrics.mlflow.enabled", "mlflow", "mlflow-skinny"))
+# the optional backends: section of `metrics` (and module), what to install
+OPTIONAL = (("wandb", "wandb"), ("mlflow", "mlflow-skinny"))
 
 
 def check_sink_packages(metrics: MetricsConfig) -> None:
     """A ConfigError naming the key and the `pip install` line for each enabled backend whose
     package is missing (found without importing it: this runs before every start)."""
-    enabled = {"metrics.wandb.enabled": metrics.wandb.enabled, "metrics.mlflow.enabled": metrics.mlflow.enabled}
-    for key, module, package in OPTIONAL:
-        if enabled[key] and find_spec(module) is None:
+    for module, package in OPTIONAL:
+        key = f"metrics.{module}.enabled"
+        if getattr(metrics, module).enabled and find_spec(module) is None:
             raise ConfigError(f"{key}: true, but {module} is not installed here: pip install {package} (or the "
                               f"'astraflow[tracking]' extra), or set {key}=false")
 
