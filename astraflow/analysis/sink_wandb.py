@@ -58,8 +58,8 @@ class WandbSink:
 
     def text(self, tag: str, text: str, step: int) -> None:
         # inject=False: W&B would otherwise add a stylesheet fetched from its servers
-        self.run.log({tag: self.wandb.Html(f"<pre>{html.escape(text)}</pre>", inject=False,
-                                                 data_is_not_path=True), STEP: step})
+        page = self.wandb.Html(f"<pre>{html.escape(text)}</pre>", inject=False, data_is_not_path=True)
+        self.run.log({tag: page, STEP: step})
 
     def close(self) -> None:
         self.run.finish()
