@@ -154,9 +154,10 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.after_stdin:
         os.nice(19)  # it imports beside a starting job: it must not slow the components
-    out = evaluate_run(RunDir.open(args.run_dir), sys.stdin.read if args.after_stdin else lambda: None)
+    run = RunDir.open(args.run_dir)
+    out = evaluate_run(run, sys.stdin.read if args.after_stdin else lambda: None)
     (Path(args.run_dir) / "eval.json").write_text(json.dumps(out, indent=2))  # engines may print to stdout
-    record_eval(Path(args.run_dir), out)
+    record_eval(run.path, out, run.config)
     print(json.dumps(out))
     _exit_now(0)
 
