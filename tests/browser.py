@@ -39,7 +39,12 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage
 
 
 def chromium() -> str:
-    """The browser's path, or a skip saying how to install it (a failure under CI=true)."""
+    """The browser's path, installed with apt first where this is root (as the Slurm tests
+    install Slurm: `make test` alone works on a fresh machine), or a skip saying how to
+    install it (a failure under CI=true)."""
+    if shutil.which("chromium") is None and os.geteuid() == 0:
+        subprocess.run([str(Path(__file__).resolve().parents[1] / "tools" / "install-chromium.sh")],
+                       capture_output=True, timeout=900)
     path = shutil.which("chromium")
     if path is None:
         pytest.skip("chromium is not installed here: apt-get install chromium (tools/install-chromium.sh)")
