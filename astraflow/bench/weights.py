@@ -86,7 +86,23 @@ def measure_lr(model_dir: Path, weights_root: Path, engine, lr: float, versions:
             "first_applied_s": full["applied_s"], "published_as_delta": sum(r["kind"] == "delta" for r in later)}
 
 
-def run_bench(like: str, size: str, lrs: list[float], versions: int, dtype_name: str, threads: int) -> dict:
+def full_version(model_dir: Path, weights_root: Path, dtype):
+    """The starting model published as one full version: (its tensors in `dtype`, manifest)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from astraflow.weights.publisher import Publisher
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    publisher = Publisher(weights_root, "collective", model_dir, dtype, full_every=1)
+    pub = publisher.publish(model.state_dict(), 1)
+    del model
+    gc.collect()
+    return publisher.last, pub.manifest
+
+
+def run_bench(like: str, size: str, lrs: list[float], versions: int, dtype_name: str, threads: int,
+              workers: list[int] = (), rounds: int = 3, bucket_mb: float = 256.0) -> dict:
     import torch
 
     from astraflow.models.factory import make_model
@@ -108,7 +124,14 @@ def run_bench(like: str, size: str, lrs: list[float], versions: int, dtype_name:
             results = [measure_lr(model_dir, Path(tmp) / "weights", engine, lr, versions, dtype, 1 + 100 * i)
                        for i, lr in enumerate(lrs)]
             engine.close()
+            collective = None
+            if workers:
+                from astraflow.bench.weights_collective import measure
+
+                tensors, manifest = full_version(model_dir, Path(tmp) / "weights", dtype)
+                collective = measure(tensors, manifest, model_dir, dtype_name, list(workers), rounds, bucket_mb, threads)
     finally:
         torch.set_num_threads(previous)
     return {"like": like, "size": size, "parameters": parameters, "dtype": dtype_name, "workers": 1,
-            "channel": "filesystem", "build_s": build_s, "threads": threads, "results": results}
+            "channel": "filesystem", "build_s": build_s, "threads": threads, "results": results,
+            "collective": collective}

@@ -154,9 +154,10 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.after_stdin:
         os.nice(19)  # it imports beside a starting job: it must not slow the components
-    out = evaluate_run(RunDir.open(args.run_dir), sys.stdin.read if args.after_stdin else lambda: None)
+    run = RunDir.open(args.run_dir)
+    out = evaluate_run(run, sys.stdin.read if args.after_stdin else lambda: None)
     (Path(args.run_dir) / "eval.json").write_text(json.dumps(out, indent=2))  # engines may print to stdout
-    record_eval(Path(args.run_dir), out)
+    record_eval(run.path, out, run.config)
     print(json.dumps(out))
     _exit_now(0)
 
@@ -248,7 +249,8 @@ def _bench_learn(args: argparse.Namespace) -> int:
 def _bench_weights(args: argparse.Namespace) -> int:
     from astraflow.bench.weights import run_bench
 
-    result = run_bench(args.like, args.size, args.lr, args.versions, args.dtype, args.threads)
+    result = run_bench(args.like, args.size, args.lr, args.versions, args.dtype, args.threads, args.workers,
+                       args.rounds, args.bucket_mb)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -486,6 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="the publish dtype (the training dtype)")
     b.add_argument("--threads", type=int, default=2, help="torch threads of the trainer side and the worker's engine")
+    b.add_argument("--workers", type=int, nargs="*", default=[],
+                   help="also the collective channel (gloo) to this many receiver processes each, beside a raw "
+                        "broadcast of the same bytes, e.g. --workers 1 4")
+    b.add_argument("--rounds", type=int, default=3, help="versions sent per worker count (medians over them)")
+    b.add_argument("--bucket-mb", type=float, default=256.0, help="the channel's bucket size (weights.bucket_mb)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_weights)
     return parser

@@ -96,6 +96,8 @@ def _table(cls: type, prefix: str, comments: dict[tuple[str, str], str]) -> list
     hints = typing.get_type_hints(cls)
     rows = ["| key | type | default | changes on a run | description |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            continue  # a nested section: a table of its own
         note = comments.get((cls.__name__, f.name), "")
         choices = f.metadata.get("choices")
         if choices:
@@ -119,10 +121,14 @@ def render() -> str:
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else None
         cls = item or tp
         out += [f"## `{f.name}`" + (" (a list: one item per policy)" if item else ""), ""]
-        out += _doc(cls) + _table(cls, f"{f.name}[]." if item else f"{f.name}.", comments) + [""]
-        for sub in dataclasses.fields(cls):  # nested lists of sections (rollout.pools)
+        table = _table(cls, f"{f.name}[]." if item else f"{f.name}.", comments)
+        out += _doc(cls) + (table + [""] if len(table) > 2 else [])
+        for sub in dataclasses.fields(cls):  # nested sections (metrics.wandb), lists of them (rollout.pools)
             sub_tp = typing.get_type_hints(cls)[sub.name]
-            if typing.get_origin(sub_tp) is tuple and dataclasses.is_dataclass(typing.get_args(sub_tp)[0]):
+            if dataclasses.is_dataclass(sub_tp):
+                out += [f"### `{f.name}.{sub.name}`", ""]
+                out += _doc(sub_tp) + _table(sub_tp, f"{f.name}.{sub.name}.", comments) + [""]
+            elif typing.get_origin(sub_tp) is tuple and dataclasses.is_dataclass(typing.get_args(sub_tp)[0]):
                 nested = typing.get_args(sub_tp)[0]
                 out += [f"### `{f.name}.{sub.name}` items", ""]
                 out += _doc(nested) + _table(nested, f"{f.name}.{sub.name}[].", comments) + [""]

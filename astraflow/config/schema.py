@@ -314,8 +314,8 @@ class WeightsConfig:
     # against the previous version otherwise. 1: every version full.
     full_every: int = 10
     # `auto` / `collective`: the trainer's rank 0 also broadcasts each version to the rollout
-    # workers started with it (gloo; local runs: Slurm launches do not set up the groups yet),
-    # `weights/collective.py`. Workers that join later (arrays, standby workers, restarts) and
+    # workers started with it (gloo over CPU tensors; a local run's workers, a het job's
+    # rollout tasks), `weights/collective.py`. Workers that join later (arrays, standby workers, restarts) and
     # every version once a broadcast has failed take the filesystem, which always has them.
     # Opt-in (default `filesystem`) until it has run longer than the quickstart's few runs.
     channel: str = choice("filesystem", "auto", "filesystem", "collective")
@@ -347,6 +347,42 @@ class ElasticConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases: each trainer also logs its rows (and sample completions) to a W&B run
+    of its own, named by the policy and grouped by the run directory. Needs `pip install
+    wandb` (or the `tracking` extra); the run refuses to start when it is missing."""
+    enabled: bool = runtime(False)  # log to W&B besides the CSV and TensorBoard
+    project: str = ""  # the W&B project ("" = run.name)
+    entity: str = ""  # the W&B user or team ("" = the account's default)
+    # offline: written under RUN_DIR/metrics/wandb/ only, no network (upload later with
+    # `wandb sync`); online: streamed to the W&B server too (needs `wandb login` or WANDB_API_KEY)
+    mode: str = runtime("offline", choices=("offline", "online"))
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """MLflow: each trainer also logs its rows (and sample completions, as text artifacts) to
+    an MLflow run of its own, named by the run directory and the policy. Needs `pip install
+    mlflow-skinny` (or `mlflow`, or the `tracking` extra); the run refuses to start when it is
+    missing."""
+    enabled: bool = runtime(False)  # log to MLflow besides the CSV and TensorBoard
+    # where: "" = file:RUN_DIR/metrics/mlflow (no server, no network; `mlflow ui
+    # --backend-store-uri` reads it), or a server's http(s):// URI, sqlite:///, databricks
+    tracking_uri: str = ""
+    experiment: str = ""  # the MLflow experiment ("" = run.name)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where trainers' metrics go besides RUN_DIR/metrics/<policy>.csv and TensorBoard
+    (astraflow/analysis/sinks.py). A backend may be turned on (or W&B's mode changed) when a
+    run is resumed; where it logs is fixed, so that a restarted trainer logs on to the same
+    W&B or MLflow run."""
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+
+
+@dataclass(frozen=True)
 class Config:
     policies: tuple[PolicyConfig, ...]
     run: RunConfig = RunConfig()
@@ -364,6 +400,7 @@ class Config:
     schedule: ScheduleConfig = ScheduleConfig()
     selection: SelectionConfig = SelectionConfig()
     weights: WeightsConfig = WeightsConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def policy(self, name: str) -> PolicyConfig:
         for p in self.policies:

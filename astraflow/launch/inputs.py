@@ -1,16 +1,18 @@
 """Everything a run reads, checked before any component starts: the model directory, the
-data set (every row), the reward, the model family's shape. A problem is one ConfigError
-naming the file, line (or row) and field; `astraflow run` and the Slurm job's dataflow task
-exit with it (code 2) within seconds, instead of starting components that would wait for a
-rank that never publishes or crash-loop on a load. No torch here: JSON and data files only.
-The trainer's parallel layout is checked against the model: tp must divide its attention and
-kv heads, pp its layers, and the megatron backend must support its config.json.
+data set (every row), the reward, the model family's shape, the packages of the enabled
+metrics backends. A problem is one ConfigError naming the file, line (or row) and field;
+`astraflow run` and the Slurm job's dataflow task exit with it (code 2) within seconds,
+instead of starting components that would wait for a rank that never publishes or
+crash-loop on a load. No torch here: JSON and data files only. The trainer's parallel
+layout is checked against the model: tp must divide its attention and kv heads, pp its
+layers, and the megatron backend must support its config.json.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from astraflow.analysis.sinks import check_sink_packages
 from astraflow.config.loader import ConfigError, load_config
 from astraflow.config.rundir import RunDir
 from astraflow.config.schema import Config
@@ -57,6 +59,7 @@ def check_inputs(cfg: Config) -> None:
         raise ConfigError(f"tasks.path: required when tasks.kind is {t.kind!r}")
     TaskSource(t)  # reads and validates every row
     load_reward(t.reward)
+    check_sink_packages(cfg.metrics)
 
 
 def check_parallel_shape(cfg: Config, heads: int, kv_heads: int, layers: int, model: str) -> None:

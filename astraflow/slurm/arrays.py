@@ -20,11 +20,12 @@ from astraflow.slurm.site import SiteProfile, container_exec, srun_container_arg
 from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
 
 
-def supervise_rollout(run: RunDir, worker_id: str, policies: tuple[str, ...]) -> bool:
+def supervise_rollout(run: RunDir, worker_id: str, policies: tuple[str, ...],
+                      env: dict[str, str] | None = None) -> bool:
     """Run one rollout worker, restarted when it crashes, until it leaves (drained, no tasks
-    left), the run is finished, or a signal comes (then False)."""
+    left), the run is finished, or a signal comes (then False). `env`: more environment for it."""
     sup = Supervisor(run.config.launcher.max_restarts, run.config.launcher.backoff_s)
-    comp = sup.add(components.rollout(run, f"rollout-{worker_id}", worker_id, policies))
+    comp = sup.add(components.rollout(run, f"rollout-{worker_id}", worker_id, policies, env=env))
     try:
         return Watch(sup).until(lambda finished: comp.name in finished or components.finished_marker(run.path).exists())
     finally:

@@ -9,6 +9,9 @@ its role's component, restarting it with backoff like the local launcher does:
   ranks of a group restart together through a `GroupGeneration` in `rendezvous/`;
 - het group 2: one rollout worker per task, id `<job>.<procid>`, supervised like an array
   task's (`arrays.supervise_rollout`).
+With `weights.channel` collective (or auto), each policy's trainer rank 0 and the rollout
+tasks hosting the policy form its collective weight group (`weights/groups.py`); workers
+added later by arrays follow the filesystem.
 The run is over when every trainer has done its steps: the dataflow task writes
 `rendezvous/finished` and every task stops. SIGUSR1 (Slurm's warning before preemption or
 the time limit) and SIGTERM are forwarded to the components — trainers checkpoint, workers
@@ -34,6 +37,7 @@ from astraflow.slurm.bootstrap import bootstrap
 from astraflow.slurm.elastic import ElasticController
 from astraflow.slurm.env import SlurmTask, current_task
 from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
+from astraflow.weights.groups import launch_env as weight_groups
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +155,20 @@ class Node:
         rank = self.task.group_rank % world
         self.sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
         generation = GroupGeneration(run.path / "rendezvous", f"torch-{policy}-{os.environ['ASTRAFLOW_SESSION']}")
-        comp = self.sup.add(components.trainer(run, policy, [rank], world, generation if world > 1 else None))
+        comp = self.sup.add(components.trainer(run, policy, [rank], world, generation if world > 1 else None,
+                                               env=weight_groups(cfg, workers=self.rollout_tasks)))
         marker = components.finished_marker(run.path)
         return 0 if self.supervise(lambda finished: comp.name in finished or marker.exists()) else EXIT_STOPPED
 
     def rollout_task(self, run: RunDir) -> int:
         policies = run.config.worker_policies(self.task.group_rank)
-        return 0 if supervise_rollout(run, f"{self.task.job_id}.{self.task.procid}", policies) else EXIT_STOPPED
+        env = weight_groups(run.config, self.task.group_rank, self.rollout_tasks)
+        return 0 if supervise_rollout(run, f"{self.task.job_id}.{self.task.procid}", policies, env) else EXIT_STOPPED
+
+    @property
+    def rollout_tasks(self) -> int:
+        """The step's rollout tasks: the workers of the collective weight groups."""
+        return sum(p["role"] == "rollout" for p in self.peers)
 
     def supervise(self, done) -> bool:
         self.watch = Watch(self.sup)

@@ -102,7 +102,10 @@ class Trainer:
         self.channel = TrainerChannel(run.path, policy, run.config.weights) if rank == 0 else None
         self.client = Client(wait_rendezvous(run.path)["address"], run.read_secret(), timeout_s=BATCH_TIMEOUT_S)
         self.stop = False
-        self.sinks: Sinks | None = None  # rank 0's (analysis/sinks.py), opened at its first row
+        # rank 0's (analysis/sinks.py), opened now: a backend that cannot open (W&B without
+        # credentials, an MLflow server down) stops the trainer at its start, not at a step
+        self.sinks: Sinks | None = (open_sinks(run.path, policy, self.metric_fields, run.config)
+                                    if rank == 0 else None)
         self._decode: Callable[[list[int]], str] | None = None
         signal.signal(signal.SIGUSR1, self._checkpoint_and_stop)  # Slurm's warning before preemption
         signal.signal(signal.SIGTERM, self._checkpoint_and_stop)
@@ -189,8 +192,6 @@ class Trainer:
     def record(self, row: dict, batch: m.TrajectoryBatch) -> None:
         """The step's row to every sink (rank 0 only); every `checkpoint_every` steps its best
         completion as text too."""
-        if self.sinks is None:
-            self.sinks = open_sinks(self.run.path, self.policy, self.metric_fields)
         self.sinks.scalars(row, row["step"], row["time"])
         if row["step"] % self.tcfg.checkpoint_every == 0 and len(batch.reward):
             if self._decode is None:

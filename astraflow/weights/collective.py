@@ -18,9 +18,9 @@ manifest's checksums before anyone sees them.
 
 The group: rank 0 the trainer's rank 0, ranks 1..n the rollout workers hosting the policy
 (in worker order), meeting through a `FileStore` in the run's rendezvous directory, named by
-the launch (`groups.py`: the local launcher names each component's memberships with
-`weights.channel` auto or collective; Slurm launches do not yet, so there every version goes
-over the filesystem). Each end opens the group in a thread of its own,
+the launch (`groups.py`: the local launcher and a het job's tasks name each component's
+memberships with `weights.channel` auto or collective; gloo on CPU tensors, also between
+GPU nodes: NCCL straight into the engines' parameters is not built). Each end opens the group in a thread of its own,
 waiting up to `SETUP_TIMEOUT_S` for every member (a worker imports its engine first), while
 the trainer trains and the worker follows the filesystem. Only a component's first start
 joins: a restarted trainer or worker cannot rejoin the group its earlier incarnation left,
@@ -68,7 +68,8 @@ def open_group(store_path: Path, rank: int, world: int, timeout_s: float) -> dis
     return dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout_s))
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout: datetime.timedelta) -> None:
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout: datetime.timedelta) -> None:
+    """Rank 0's `tensor` into every member's, waited for at most `timeout` (RuntimeError then)."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.timeout = 0, timeout
     group.broadcast([tensor], opts).wait(timeout)
@@ -96,8 +97,8 @@ class Sender:
             text = json.dumps({"name": manifest.name, "manifest": manifest.to_json()})
             meta = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
             spans, total = layout(manifest)
-            _broadcast(self.group, torch.tensor([manifest.version, len(meta), total], dtype=torch.int64), self.timeout)
-            _broadcast(self.group, meta, self.timeout)
+            broadcast(self.group, torch.tensor([manifest.version, len(meta), total], dtype=torch.int64), self.timeout)
+            broadcast(self.group, meta, self.timeout)
             flat = {name: tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8) for name in spans}
             staging = torch.empty(min(self.bucket, total), dtype=torch.uint8)
             for a in range(0, total, self.bucket):
@@ -106,7 +107,7 @@ class Sender:
                     lo, hi = max(a, off), min(b, off + size)
                     if lo < hi:
                         staging[lo - a:hi - a] = flat[name][lo - off:hi - off]
-                _broadcast(self.group, staging[: b - a], self.timeout)
+                broadcast(self.group, staging[: b - a], self.timeout)
         except RuntimeError as e:  # gloo: a peer closed the connection, or the timeout passed
             log.error("collective weight channel closed after %.1f s sending v%d (%s); versions go over the "
                       "filesystem from now on", time.perf_counter() - t0, manifest.version, str(e).splitlines()[0])
@@ -127,10 +128,10 @@ class Receiver:
     def receive(self) -> tuple[dict[str, torch.Tensor], Manifest, int]:
         """(tensors, manifest, bytes received) of the next version."""
         header = torch.zeros(3, dtype=torch.int64)
-        _broadcast(self.group, header, FOREVER)  # the next version comes when the trainer has one
+        broadcast(self.group, header, FOREVER)  # the next version comes when the trainer has one
         version, meta_len, total = (int(x) for x in header)
         meta = torch.empty(meta_len, dtype=torch.uint8)
-        _broadcast(self.group, meta, self.timeout)
+        broadcast(self.group, meta, self.timeout)
         try:
             d = json.loads(bytes(meta.numpy()).decode())
             manifest = parse_manifest(d["manifest"], str(d["name"]), f"broadcast v{version}")
@@ -141,7 +142,7 @@ class Receiver:
             raise WeightsError(f"broadcast v{version}: {total} payload bytes, the manifest makes {expected}")
         flat = torch.empty(total, dtype=torch.uint8)
         for a in range(0, total, self.bucket):
-            _broadcast(self.group, flat[a: min(a + self.bucket, total)], self.timeout)
+            broadcast(self.group, flat[a: min(a + self.bucket, total)], self.timeout)
         tensors = {}
         for name, (off, size) in spans.items():
             info = manifest.tensors[name]

@@ -15,9 +15,12 @@ import pytest
 
 from astraflow.analysis.metrics import read_metrics
 from astraflow.analysis.plot import plot_run
+from astraflow.analysis.report import write_report
 from astraflow.store.journal import replay
 from astraflow.store.reader import ShardReader, iter_shards, load_rows
+from tests.browser import assert_shows_report, render
 from tests.conftest import REPO, component_pids, parity_prompts
+from tests.unit.test_report import SECTIONS
 
 pytestmark = pytest.mark.integration
 
@@ -79,6 +82,8 @@ def test_local_run_learns_and_survives_killed_worker_and_trainer(tmp_path):
     assert list((run_dir / "metrics" / "tensorboard" / "policy").glob("events.out.tfevents.*"))
     png = plot_run(run_dir, tmp_path / "curve.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # the run's report as a browser shows it: no errors, every section, every plot drawn
+    assert_shows_report(render(write_report(run_dir, tmp_path / "report.html")), SECTIONS)
     steps = [int(r["step"]) for r in metric_rows(run_dir)]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))  # resumed from its checkpoint, no gap
     assert all(0 < float(r["entropy"]) < np.log(256) for r in metric_rows(run_dir))

@@ -106,7 +106,8 @@ def test_a_trainer_group_that_loses_a_rank_restarts_as_a_whole(tmp_path: Path, c
 def test_scale_out_then_scancel_and_drain_lose_nothing(tmp_path: Path, cancel_jobs):
     run_dir = tmp_path / "elastic"
     cancel_jobs(run_dir)
-    job = launch(run_dir, "trainer.steps=400", "rollout.workers=1", "rollout.concurrency=4")
+    job = launch(run_dir, "trainer.steps=400", "rollout.workers=1", "rollout.concurrency=4",
+                 "weights.channel=collective")
     wait_for("training under way", lambda: trainer_step(run_dir) >= 3, 120, run_dir)
 
     t0 = time.time()
@@ -120,6 +121,15 @@ def test_scale_out_then_scancel_and_drain_lose_nothing(tmp_path: Path, cancel_jo
     assert join_s < 60, f"array workers took {join_s:.1f}s to register"
     wait_for("trajectories from the array workers",
              lambda: (load_rows(run_dir).worker.str.startswith(f"{array}_")).sum() > 0, 60, run_dir)
+    # the weight channels: the het job's rollout task receives versions from the trainer over
+    # the collective group; the array workers joined later and follow the filesystem
+    logs = run_dir / "logs"
+    wait_for("versions received over the collective channel",
+             lambda: "(collective, " in (logs / f"rollout-{job}.2.log").read_text(), 30, run_dir)
+    wait_for("the array workers loading versions from the filesystem",
+             lambda: all("loaded weights v" in (logs / f"rollout-{array}_{i}.log").read_text() for i in (0, 1)),
+             30, run_dir)
+    assert not any("(collective, " in (logs / f"rollout-{array}_{i}.log").read_text() for i in (0, 1))
     # `astraflow status`: the jobs, and workers and throughput per partition
     report = json.loads(subprocess.run([sys.executable, "-m", "astraflow.cli.main", "status", str(run_dir), "--json"],
                                        capture_output=True, text=True, check=True).stdout)

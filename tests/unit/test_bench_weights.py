@@ -17,3 +17,17 @@ def test_bench_weights_reports_bytes_and_times_per_learning_rate():
     assert small["published_as_delta"] == 2 and 0 < small["changed_fraction"] < 0.1
     assert small["delta_over_full"] < 0.2 and [v["how"] for v in small["versions"]] == ["full", "delta", "delta"]
     assert large["published_as_delta"] == 0 and large["changed_fraction"] > 0.5
+
+
+def test_bench_weights_measures_the_collective_channel_beside_a_raw_broadcast():
+    """Receivers in their own processes verify and install each version; the report holds the
+    raw broadcast's and the channel's seconds for each worker count."""
+    out = run_bench("qwen2", "tiny", [1e-6], versions=1, dtype_name="bfloat16", threads=1, workers=[1, 2], rounds=2)
+    rows = out["collective"]["per_workers"]
+    assert [r["workers"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["payload_bytes"] == out["results"][0]["full_bytes"]  # the whole bf16 version, aligned
+        # a round's time is its slowest worker's; applied_s is every worker's of every round
+        assert 0 < r["raw_s"] and 0 < r["received_s"] <= r["applied_p99_s"] and r["applied_p50_s"] <= r["applied_p99_s"]
+        assert r["install_s"] > 0 and r["efficiency"] == r["raw_s"] / r["received_s"]
+    assert out["collective"]["applied_ratio"] == rows[1]["applied_p50_s"] / rows[0]["applied_p50_s"]

@@ -14,11 +14,16 @@ def test_the_committed_reference_is_current():
 
 
 def all_keys() -> list[tuple[type, str]]:
+    """(section class, key) of every key, nested sections' keys (metrics.wandb) included."""
     out, hints = [], typing.get_type_hints(schema.Config)
     for f in dataclasses.fields(schema.Config):
         tp = hints[f.name]
         cls = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else tp
-        out += [(cls, g.name) for g in dataclasses.fields(cls)]
+        cls_hints = typing.get_type_hints(cls)
+        for g in dataclasses.fields(cls):
+            nested = cls_hints[g.name]
+            out += [(nested, h.name) for h in dataclasses.fields(nested)] if dataclasses.is_dataclass(nested) \
+                else [(cls, g.name)]
     out += [(schema.PoolConfig, g.name) for g in dataclasses.fields(schema.PoolConfig)]
     return out
 
@@ -34,3 +39,4 @@ def test_every_key_is_in_the_reference_with_a_description():
     assert "| `dataflow.lease_s` | number | `60.0` | runtime |" in text
     assert "| `store.compression` | string | `'none'` | fixed | One of `none`, `lzf`, `gzip`." in text
     assert "| `policies[].name` | string | *required* |" in text
+    assert "### `metrics.wandb`" in text and "| `metrics.wandb.mode` | string | `'offline'` | runtime | One of" in text

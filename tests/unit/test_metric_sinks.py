@@ -38,16 +38,18 @@ def scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_rows_reach_the_csv_and_tensorboard_and_eval_joins_them(tmp_path):
-    run = make_run(tmp_path).path
+    run_dir = make_run(tmp_path)
+    run = run_dir.path
     fields = ("step", "time", "reward_mean", "lr")
-    sinks = open_sinks(run, "policy", fields)
+    sinks = open_sinks(run, "policy", fields, run_dir.config)
     for step in (1, 2):
         row = {"step": step, "time": 100.0 + step, "reward_mean": 0.25 * step, "lr": 0.001}
         sinks.scalars(row, step, row["time"])
     sinks.text("best_completion", "reward 1.000", 2)
     sinks.close()
     assert [r["reward_mean"] for r in read_rows(run / "metrics" / "policy.csv")] == [0.25, 0.5]
-    record_eval(run, {"eval": {"policy": {"metric": "accuracy", "base": 0.5, "last": 0.75, "version": 2}}})
+    record_eval(run, {"eval": {"policy": {"metric": "accuracy", "base": 0.5, "last": 0.75, "version": 2}}},
+                run_dir.config)
     board = run / "metrics" / "tensorboard" / "policy"
     got = scalars(board)
     assert got["policy/reward_mean"] == [(1, 0.25), (2, 0.5)] and got["policy/lr"] == [(1, 0.001), (2, 0.001)]

@@ -1,8 +1,7 @@
-"""`astraflow report`: one self-contained HTML page. No headless browser exists on this
-machine (`which chromium chromium-browser` finds none), so the page is checked structurally:
-it parses with every element closed, has each section, holds its images inline as PNG data
-(nothing fetched from anywhere), decodes sample completions with the run's tokenizer, and
-escapes what the run wrote (a worker id with markup)."""
+"""`astraflow report`: one self-contained HTML page, checked structurally here: it parses
+with every element closed, has each section, holds its images inline as PNG data (nothing
+fetched from anywhere), decodes sample completions with the run's tokenizer, and escapes
+what the run wrote (a worker id with markup). How a browser shows it: test_report_browser.py."""
 from __future__ import annotations
 
 import base64

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from astraflow.weights.collective import Receiver, Sender, _broadcast, open_group
+from astraflow.weights.collective import Receiver, Sender, broadcast, open_group
 from astraflow.weights.publisher import Publisher
 from astraflow.weights.tensors import xxh3
 
@@ -27,9 +27,9 @@ def receiver(store: str, rank: int, world: int, out, fail: str) -> None:
         while True:
             if fail:
                 header = torch.zeros(3, dtype=torch.int64)
-                _broadcast(group, header, rx.timeout)
-                _broadcast(group, torch.empty(int(header[1]), dtype=torch.uint8), rx.timeout)
-                _broadcast(group, torch.empty(rx.bucket, dtype=torch.uint8), rx.timeout)  # the first bucket
+                broadcast(group, header, rx.timeout)
+                broadcast(group, torch.empty(int(header[1]), dtype=torch.uint8), rx.timeout)
+                broadcast(group, torch.empty(rx.bucket, dtype=torch.uint8), rx.timeout)  # the first bucket
                 os.kill(os.getpid(), signal.SIGKILL if fail == "kill" else signal.SIGSTOP)
             tensors, manifest, _ = rx.receive()
             out.put((manifest.version, manifest.name, {n: xxh3(t) for n, t in tensors.items()}))
