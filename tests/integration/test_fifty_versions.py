@@ -35,7 +35,7 @@ def build_engine(kind: str, model_dir):
         return VLLMEngine(model_dir, seed=0)
     from astraflow.rollout.engines.hf import HFEngine
 
-    return HFEngine(model_dir, threads=1)
+    return HFEngine(model_dir)  # threads: the process's own (a count set here would stay for vLLM later)
 
 
 def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
