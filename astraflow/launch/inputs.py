@@ -1,5 +1,6 @@
 """Everything a run reads, checked before any component starts: the model directory, the
-data set (every row), the reward, the model family's shape. A problem is one ConfigError
+data set (every row), the reward, the model family's shape, the sandbox where answers' tests
+run. A problem is one ConfigError
 naming the file, line (or row) and field; `astraflow run` and the Slurm job's dataflow task
 exit with it (code 2) within seconds, instead of starting components that would wait for a
 rank that never publishes or crash-loop on a load. No torch here: JSON and data files only.
@@ -14,6 +15,7 @@ from astraflow.config.rundir import RunDir
 from astraflow.config.schema import Config
 from astraflow.models.directory import ModelDirError, check_model_dir
 from astraflow.models.families import FAMILIES
+from astraflow.sandbox import Sandbox
 from astraflow.tasks.sources import TaskSource
 from astraflow.workflows.rewards import load_reward
 
@@ -45,6 +47,11 @@ def check_inputs(cfg: Config) -> None:
         raise ConfigError(f"tasks.path: required when tasks.kind is {t.kind!r}")
     TaskSource(t)  # reads and validates every row
     load_reward(t.reward)
+    if t.workflow == "code" or t.reward == "code_tests":
+        why = Sandbox.check()  # else every answer would score 0, its tests never run
+        if why:
+            raise ConfigError(f"tasks.{'workflow' if t.workflow == 'code' else 'reward'}: the answers' tests run in "
+                              f"the sandbox, which cannot run here: {why}")
 
 
 def open_run_checked(run_dir: str | Path, config: str | Path | None, overrides: list[str]) -> RunDir:

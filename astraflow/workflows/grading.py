@@ -10,10 +10,10 @@ So:
 - a solution that fails to run (syntax error, an exception at import, a refused syscall)
   fails every test with that reason; a test that raises, fails or runs past its limit fails
   alone, and the others still run;
-- a solution cannot pass by exiting early (`os._exit(0)`, `sys.exit()`): no result line, no
-  test passed, and the run's end is the reason; its processes' own copies of the harness
-  (a fork) never write results (they exit where the harness resumes);
-- a run stopped by a limit is not remembered by `Grader` (the wall clock counts a busy host);
+- a solution cannot pass by exiting early: after `os._exit(0)` there is no result line, so
+  no test passed and the run's end is the reason (`sys.exit()` is a SystemExit, caught like
+  any exception); its processes' own copies of the harness (a fork) never write results
+  (they exit where the harness resumes);
 - what the solution prints goes to /dev/null, not into the result;
 - a run the sandbox stops (wall clock, output cap, a signal such as SIGXCPU or SIGKILL) fails
   every test with that limit's name.
@@ -23,7 +23,9 @@ policy that learns to attack this harness.
 
 `Grade.reason` names the first failure, e.g. "assert f(0) == 3: AssertionError" or "solution:
 MemoryError", the text a multi-turn episode feeds back. Identical solutions to the same
-tests are graded once (`Grader`, a bounded memo): a group's members often agree.
+tests are graded once (`Grader`, a bounded memo): a group's members often agree. A run a
+limit stopped is not remembered (the wall clock counts a busy host), and a sandbox that
+cannot start is the episode's `EpisodeError` (kind `tool`), not the worker's.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from astraflow.sandbox import Limits, Result, Sandbox
+from astraflow.workflows.api import EpisodeError
 
 TEST_S = 1.0  # each test's (and the solution's own) time limit inside the harness
 LIMITS = Limits(cpu_s=4, wall_s=8.0, memory_mb=256, output_bytes=16384)
@@ -157,9 +160,9 @@ class Grader:
             self.memo.move_to_end(key)
         try:
             result = await asyncio.shield(future)
-        except Exception:
+        except OSError as e:  # the sandbox could not start (no processes left, ...): the episode's loss
             self.memo.pop(key, None)  # a failure to run is not remembered
-            raise
+            raise EpisodeError(f"grading sandbox: {e}", kind="tool") from None
         if any(r is not None and r.startswith("sandbox:") for r in result.results):
             self.memo.pop(key, None)  # nor a run a limit stopped (the wall clock counts a busy host)
         return result
