@@ -223,7 +223,7 @@ class RolloutConfig:
 class WorkflowConfig:
     """Parameters of the multi-policy and agentic workflows."""
     retry: bool = False  # solver_verifier: the solver answers once more after a rejection
-    # rlvr: a group whose sampled answers all scored 0 gets the reference answer as one more
+    # rlvr, code: a group whose sampled answers all scored 0 gets the reference answer as one more
     # member, scored (not sampled) by the engine, so a prompt the policy cannot yet solve
     # still teaches it something instead of being filtered (off-policy guidance, as in LUFFY,
     # arXiv 2504.14945). Its reward is never counted as a generated reward.

@@ -12,6 +12,9 @@ episode is rewarded for where it ended. Meta: the last completion, passed/total 
 turns taken and the failure's reason (None when all passed), so a run's shards say why each
 episode lost reward.
 
+With `workflow.reference_guidance`, a group whose attempts all scored 0 gets the reference
+body as one more member, scored by the engine (`guided`, as in `rlvr`).
+
 The record is the whole exchange; only the policy's tokens are trained (feedback is
 context). Grading runs under `grading.LIMITS`, hiding what the worker's tool sandbox hides (`ctx.tools`:
 the run directory).
@@ -19,6 +22,7 @@ the run directory).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from astraflow.protocol.messages import Task, Trajectory
@@ -44,21 +48,26 @@ async def code(task: Task, ctx: EpisodeContext) -> list[Trajectory]:
     tests, prefix = list(task.row.get("tests") or []), str(task.row.get("prefix", ""))
     chat = ctx.tokenizer.chat and ctx.tokenizer.has_chat_template
 
-    async def one() -> Trajectory:
+    async def one(forced: tuple[int, ...] = ()) -> Trajectory:
         t0 = time.perf_counter()
         seq = Sequence(ctx.prompt_ids(task))
-        for turn in range(1, max(1, ctx.workflow.max_turns) + 1):
-            completion = await engine.generate(seq.ids, ctx.sampling())
+        turns = 1 if forced else max(1, ctx.workflow.max_turns)
+        for turn in range(1, turns + 1):
+            params = dataclasses.replace(ctx.sampling(), forced=forced) if forced else ctx.sampling()
+            completion = await engine.generate(seq.ids, params)
             seq.add_completion(index, completion)
             text = ctx.tokenizer.decode(completion.tokens)
             result = await grader(solution_code(text, prefix), tests)
-            if result.reason is None or turn == ctx.workflow.max_turns:
+            if result.reason is None or turn == turns:
                 break
             seq.add_context(ctx.tokenizer.encode_turns([{"role": "user", "content": feedback(result.reason, chat)}],
                                                        completion.finished))
         meta = {"completion": text, "passed": result.passed, "tests": len(tests), "turns": turn,
-                "reason": result.reason}
+                "reason": result.reason, **({"guided": True} if forced else {})}
         return seq.record(policy, index, result.fraction, task.task_id, ctx.episode_id(), time.perf_counter() - t0,
                           meta)
 
-    return list(await asyncio.gather(*(one() for _ in range(task.group_size))))
+    group = list(await asyncio.gather(*(one() for _ in range(task.group_size))))
+    if ctx.workflow.reference_guidance and not any(t.reward > 0 for t in group):
+        group.append(await one(tuple(ctx.tokenizer.encode_completion(task.target))))
+    return group
