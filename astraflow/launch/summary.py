@@ -124,5 +124,9 @@ def format_summary(summary: dict) -> str:
     lines.append(f"  {summary['trajectories']} trajectories stored, {summary['trained']} trained ({rate}), "
                  f"{summary['dropped']} dropped (stale {summary['dropped_stale']}, zero advantage "
                  f"{summary['filtered_zero_advantage']}, unused {summary['unused_trainer_done']})")
+    if summary.get("failed_episodes"):
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(summary["failed_episodes"].items()))
+        lines.append(f"  episodes handed back after an environment or tool failure: {kinds} "
+                     f"(logs/episode-failures-*.jsonl)")
     lines.append(f"  details: {run_dir / 'summary.json'}; curve: astraflow plot {run_dir}")
     return "\n".join(lines)
