@@ -10,7 +10,9 @@ import time
 
 import pytest
 
+from astraflow.config.loader import load_config
 from astraflow.config.schema import TaskSourceConfig
+from astraflow.launch.inputs import check_inputs
 from astraflow.sandbox import Sandbox
 from astraflow.tasks.code_problems import TEMPLATES, code_problems, problem
 from astraflow.workflows.grading import LIMITS, Grader, grade, solution_code
@@ -93,3 +95,10 @@ def test_a_failure_names_its_test_and_the_grader_grades_a_repeat_once():
 def test_a_fenced_block_is_the_solution_and_a_bare_body_follows_the_prefix():
     assert solution_code("Here:\n```python\ndef f(x):\n    return 1\n```\n", "PREFIX") == "def f(x):\n    return 1\n"
     assert solution_code("return 1", "def f(x):\n    ") == "def f(x):\n    return 1"
+
+
+@needs_sandbox
+def test_the_code_config_checks_out():
+    cfg = load_config("configs/code.yaml")
+    check_inputs(cfg)
+    assert cfg.tasks.workflow == "code" and cfg.tasks.reward == "code_tests"
