@@ -126,7 +126,7 @@ class EnvironmentClient:
             try:
                 return await self._once(path, body, self._timeout(episode, path))
             except _Failure as f:
-                retry = f.retryable and (path in IDEMPOTENT or f.kind == "unreachable")
+                retry = f.retryable and (path in IDEMPOTENT or not f.sent)
                 if not (retry and attempt < self.limits.retries and self.budget.spend()):
                     raise EpisodeError(f"environment {path}: {f.why}", kind=f.kind) from None
             attempt += 1
@@ -142,7 +142,7 @@ class EnvironmentClient:
                 raw = await reply.read()
                 status = reply.status
         except aiohttp.ClientConnectorError as e:
-            raise _Failure("unreachable", f"cannot connect to {self.url} ({e.os_error or e})", True) from None
+            raise _Failure("unreachable", f"cannot connect to {self.url} ({e.os_error or e})", True, sent=False) from None
         except (asyncio.TimeoutError, TimeoutError):
             raise _Failure("timeout", f"no reply within {timeout_s:.3g} s", True) from None
         except aiohttp.ClientError as e:
@@ -202,9 +202,12 @@ class EnvironmentClient:
 
 
 class _Failure(Exception):
-    def __init__(self, kind: str, why: str, retryable: bool) -> None:
+    """One request's failure: its kind, why, whether a retry may help, and whether the
+    request may have reached the server (`sent`: only a failed connect is known not to)."""
+
+    def __init__(self, kind: str, why: str, retryable: bool, sent: bool = True) -> None:
         super().__init__(why)
-        self.kind, self.why, self.retryable = kind, why, retryable
+        self.kind, self.why, self.retryable, self.sent = kind, why, retryable, sent
 
 
 def _json_object(raw: bytes) -> dict:

@@ -66,6 +66,7 @@ def test_a_server_that_dies_mid_episode_is_unreachable():
         error, client, took = episode(url)
         assert proc.wait(5) == 3  # it did die, on /step
     assert error is not None and error.kind == "unreachable" and "/step" in str(error) and took < 3
+    assert client.retried == 0  # the request was sent before the connection broke: maybe applied
 
 
 def test_garbage_replies_are_bad_replies_naming_what_was_expected():
