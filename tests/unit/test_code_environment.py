@@ -71,6 +71,9 @@ def test_hostile_solutions_score_zero_with_a_named_reason_within_the_limits():
 @pytest.mark.parametrize("body, fraction", [("return x + 3", 1.0),
                                             ("return x + 3 if x < 3 else 2 * x", 3 / 4),  # wrong only for f(10)
                                             ("return x + 2", 0.0),
+                                            # exits 0 at import: one sandboxed run per test, judged
+                                            # by its exit status, scored this 1.0
+                                            ("import os\nos._exit(0)", 0.0),
                                             ("return x +", 0.0)])
 def test_the_reward_is_the_fraction_of_tests_that_pass(body, fraction):
     assert TESTS == ["assert f(0) == 3", "assert f(1) == 4", "assert f(3) == 6", "assert f(10) == 13"]
