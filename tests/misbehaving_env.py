@@ -41,6 +41,7 @@ def misbehaving_app(mode: str, every: int, stall_s: float) -> web.Application:
             return web.json_response({"error": "busy"}, status=503)
         if request.path == "/step" and counts["/step"] % every == 0:
             if mode == "stall":
+                await request.read()  # the body first: a client that gave up meanwhile is no server error
                 await asyncio.sleep(stall_s)
             elif mode == "garbage":
                 return web.Response(text="<html>proxy error</html>", status=200)

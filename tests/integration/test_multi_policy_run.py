@@ -100,11 +100,13 @@ def env_server(port: int, *stall: str) -> subprocess.Popen:
 
 @pytest.mark.skipif(Sandbox.check() is not None, reason=str(Sandbox.check()))
 def test_agent_run_survives_its_environment_server_stalling_and_dying(tmp_path):
-    """A server that stalls every 4th step past the request timeout, is then killed and later
+    """A server that stalls every 20th step past the request timeout, is then killed and later
     restarted: those episodes fail (`timeout`, `unreachable`), are recorded with their reason
     and handed back; the worker goes on and is never restarted."""
     port = free_port()
-    server = env_server(port, "--every", "4")
+    # every 20th: a task's group takes ~6 steps, so most tasks still finish (at every 4th
+    # almost none did, and the run made no step in 180 s)
+    server = env_server(port, "--every", "20")
     run_dir = tmp_path / "run"
     overrides = [*SMALL, "warmup.steps=60", "tasks.workflow=multi_turn_tool", "policies.0.role=agent",
                  "trainer.steps=6", "trainer.batch_size=16", "tasks.group_size=4", "engine.max_tokens=8",
