@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import secrets
 import signal
@@ -143,17 +144,25 @@ async def grade(sandbox: Sandbox, code: str, tests: list[str]) -> Grade:
 
 class Grader:
     """`grade` with a memo of recent (code, tests) pairs and the sandbox it runs in; grades of
-    the same pair in flight at once share one run."""
+    the same pair in flight at once share one run; at most `parallel` runs at once."""
 
-    def __init__(self, sandbox: Sandbox) -> None:
+    def __init__(self, sandbox: Sandbox, parallel: int = 0) -> None:
         self.sandbox = sandbox
         self.memo: OrderedDict[tuple[str, tuple[str, ...]], asyncio.Future] = OrderedDict()
+        # sandboxed runs at once: one per core. Unbounded, a worker with 128 episodes in
+        # flight started ~128 at a time (load average 45 on 2 cores): the engine and trainer
+        # starved, and the runs' wall clocks, not their code, could fail them.
+        self.slots = asyncio.Semaphore(parallel or os.cpu_count() or 2)
+
+    async def _grade(self, code: str, tests: list[str]) -> Grade:
+        async with self.slots:
+            return await grade(self.sandbox, code, tests)
 
     async def __call__(self, code: str, tests: list[str]) -> Grade:
         key = (code, tuple(tests))
         future = self.memo.get(key)
         if future is None:
-            future = self.memo[key] = asyncio.ensure_future(grade(self.sandbox, code, tests))
+            future = self.memo[key] = asyncio.ensure_future(self._grade(code, tests))
             if len(self.memo) > MEMO:
                 self.memo.popitem(last=False)
         else:

@@ -105,3 +105,15 @@ def test_the_code_config_checks_out():
     cfg = load_config("configs/code.yaml")
     check_inputs(cfg)
     assert cfg.tasks.workflow == "code" and cfg.tasks.reward == "code_tests"
+
+
+@needs_sandbox
+def test_the_grader_runs_at_most_parallel_sandboxes_at_once():
+    """Six solutions that each sleep 0.5 s, two at a time: three rounds, at least 1.5 s."""
+    async def run() -> float:
+        grader = Grader(Sandbox(LIMITS), parallel=2)
+        t0 = time.monotonic()
+        await asyncio.gather(*(grader(f"import time\ntime.sleep(0.5)\nn = {i}\n", ["assert True"]) for i in range(6)))
+        return time.monotonic() - t0
+
+    assert asyncio.run(run()) >= 1.5
