@@ -26,8 +26,8 @@ import dataclasses
 import time
 
 from astraflow.protocol.messages import Task, Trajectory
-from astraflow.workflows.api import EpisodeContext, Sequence
 from astraflow.sandbox import Sandbox
+from astraflow.workflows.api import EpisodeContext, Sequence
 from astraflow.workflows.grading import LIMITS, Grader, solution_code
 
 INDENT = "    "

@@ -63,7 +63,7 @@ def _run(source, ns):
     except _TimeLimit:
         return "time limit ({test_s:g} s)"
     except BaseException as e:
-        return (type(e).__name__ + ": " + str(e)).rstrip(": ")
+        return (type(e).__name__ + ": " + str(e))[:{reason_chars}].rstrip(": ")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         if os.getpid() != _pid:
@@ -116,10 +116,13 @@ def stopped_because(result: Result) -> str:
         return "sandbox setup failed: " + result.stderr.strip().splitlines()[-1][:REASON_CHARS]
     code = result.returncode
     sig = -code if code < 0 else code - 128 if code > 128 else 0
-    if sig:
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
-        return {"SIGXCPU": f"cpu time limit ({LIMITS.cpu_s} s)", "SIGKILL": "killed (SIGKILL: a limit)",
-                "SIGXFSZ": "file size limit"}.get(name, f"killed by {name}")
+    # unshare passes its child's death by a signal on as its own; where it cannot (util-linux
+    # 2.38 here), it says so on stderr and exits 1. The code cannot signal itself to death (it
+    # is PID 1 of its namespace): the signal came from a limit, the CPU time's in practice.
+    if sig or "unshare: sigprocmask" in result.stderr:
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else "a signal"
+        return {"SIGXCPU": f"cpu time limit ({LIMITS.cpu_s} s)", "SIGXFSZ": "file size limit"}.get(
+            name, f"killed by {name} (the cpu time limit, {LIMITS.cpu_s} s, or the kernel)")
     return f"exited with status {code} before the tests finished"
 
 
@@ -128,7 +131,8 @@ async def grade(sandbox: Sandbox, code: str, tests: list[str]) -> Grade:
     if not tests:
         return Grade((), ())
     marker = f"@@grade-{secrets.token_hex(8)}@@"
-    result = await sandbox.run_python(HARNESS.format(test_s=TEST_S, code=code, tests=list(tests), marker=marker))
+    result = await sandbox.run_python(HARNESS.format(test_s=TEST_S, code=code, tests=list(tests), marker=marker,
+                                                     reason_chars=REASON_CHARS))
     for line in reversed(result.stdout.splitlines()):
         if line.startswith(marker):
             try:
