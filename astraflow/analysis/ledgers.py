@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 LEDGER_SUFFIX = ".consumed.jsonl"
+FAILURES_PREFIX = "episode-failures-"  # logs/episode-failures-<worker>.jsonl: episodes lost to an environment or tool
 
 
 def _lines(path: Path) -> Iterator[dict[str, Any]]:
@@ -39,6 +40,15 @@ def read_ledgers(run_dir: Path) -> tuple[dict[str, dict[int, list[int]]], list[d
     acks = [a for path in sorted((run_dir / "logs").glob("acks-*.jsonl")) for a in _lines(path)
             if a.get("status") == "stored"]
     return trainer, acks
+
+
+def episode_failures(run_dir: Path) -> dict[str, int]:
+    """Episodes the workers handed back after an environment or tool failure, by kind."""
+    counts: dict[str, int] = {}
+    for path in sorted((run_dir / "logs").glob(f"{FAILURES_PREFIX}*.jsonl")):
+        for entry in _lines(path):
+            counts[str(entry.get("kind"))] = counts.get(str(entry.get("kind")), 0) + 1
+    return counts
 
 
 def cross_check(trainer: dict[str, dict[int, list[int]]], acks: list[dict[str, Any]],

@@ -208,10 +208,16 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('trainer')}: trainer: expected lr_warmup_steps >= 0 and 0 <= lr_min_ratio <= 1")
     if t.ref_kl < 0:
         raise ConfigError(f"{where.at('trainer.ref_kl')}: trainer.ref_kl: expected >= 0 (0: no KL term), got {t.ref_kl}")
-    if cfg.workflow.reference_guidance and cfg.tasks.workflow != "rlvr":
+    if cfg.workflow.reference_guidance and cfg.tasks.workflow not in ("rlvr", "code"):
         raise ConfigError(f"{where.at('workflow.reference_guidance')}: workflow.reference_guidance: only the "
-                          f"rlvr workflow adds reference answers; tasks.workflow is {cfg.tasks.workflow!r}: "
-                          f"set it to false")
+                          f"rlvr and code workflows add reference answers; tasks.workflow is "
+                          f"{cfg.tasks.workflow!r}: set it to false")
+    wf = cfg.workflow
+    if (wf.max_turns < 1 or wf.env_request_timeout_s <= 0 or wf.env_retries < 0 or wf.env_retry_budget < 0
+            or wf.env_episode_deadline_s < 0 or wf.env_connections < 1):
+        raise ConfigError(f"{where.at('workflow')}: workflow: expected max_turns >= 1, env_request_timeout_s > 0, "
+                          f"env_retries >= 0, env_retry_budget >= 0, env_episode_deadline_s >= 0 (0: none) and "
+                          f"env_connections >= 1")
     if cfg.workflow.verifier_contrast and cfg.tasks.workflow != "solver_verifier":
         raise ConfigError(f"{where.at('workflow.verifier_contrast')}: workflow.verifier_contrast: only the "
                           f"solver_verifier workflow has a verifier that judges answers it is shown; "

@@ -78,6 +78,7 @@ WORKFLOW_ROLES: dict[str, tuple[str, ...]] = {
     "solver_verifier": ("solver", "verifier"),
     "solve_and_check": ("solver", "verifier"),
     "multi_turn_tool": ("agent",),
+    "code": ("policy",),
 }
 
 
@@ -85,7 +86,7 @@ WORKFLOW_ROLES: dict[str, tuple[str, ...]] = {
 class TaskSourceConfig:
     """Where prompts come from (astraflow/tasks/): a generator or a data set, split into a
     held-out, a warm-up and a training part, and how each completion is scored."""
-    kind: str = choice("arithmetic", "arithmetic", "word_problems", "jsonl", "parquet", "hf_disk")
+    kind: str = choice("arithmetic", "arithmetic", "word_problems", "code_problems", "jsonl", "parquet", "hf_disk")
     # jsonl / parquet: a file; hf_disk: a directory written by `datasets` `save_to_disk`
     path: str = ""
     split: str = ""  # hf_disk: the split of a saved DatasetDict ("" for a saved Dataset)
@@ -102,6 +103,7 @@ class TaskSourceConfig:
     seed: int = 0  # seed of the generated tasks and of the splits
     # arithmetic: operands are drawn from [0, max_operand]; the answer is the full result, its
     # units digit or its parity. word_problems: the largest quantity in a story.
+    # code_problems: the constants k in the problems (1..max_operand per template).
     max_operand: int = 20
     answer: str = choice("full", "full", "units", "parity")
     ops: str = "+-"  # which of + and - to generate (two operands)
@@ -121,7 +123,7 @@ class TaskSourceConfig:
     group_size: int = 8
     # Stop handing out tasks after this many (0 = unlimited, cycling through the source).
     max_tasks: int = 0
-    workflow: str = choice("rlvr", "rlvr", "solver_verifier", "solve_and_check", "multi_turn_tool")
+    workflow: str = choice("rlvr", "rlvr", "solver_verifier", "solve_and_check", "multi_turn_tool", "code")
     # a registered reward (workflows/rewards.py: exact_match, math_verify, boxed_math, code_tests)
     # or a user's `package.module:function`, called as f(completion, answer) or
     # f(completion, answer, row); sync or async. One that raises or outlasts the timeout
@@ -221,7 +223,7 @@ class RolloutConfig:
 class WorkflowConfig:
     """Parameters of the multi-policy and agentic workflows."""
     retry: bool = False  # solver_verifier: the solver answers once more after a rejection
-    # rlvr: a group whose sampled answers all scored 0 gets the reference answer as one more
+    # rlvr, code: a group whose sampled answers all scored 0 gets the reference answer as one more
     # member, scored (not sampled) by the engine, so a prompt the policy cannot yet solve
     # still teaches it something instead of being filtered (off-policy guidance, as in LUFFY,
     # arXiv 2504.14945). Its reward is never counted as a generated reward.
@@ -230,7 +232,9 @@ class WorkflowConfig:
     # judge the reference answer (a drawn wrong answer), so that its verdicts cannot be read
     # off the question; those judgments are trained, never counted in its reward
     verifier_contrast: bool = False
-    max_turns: int = 3  # multi_turn_tool: agent turns per episode
+    # multi_turn_tool: agent turns per episode; code: attempts, each after the first seeing
+    # the previous attempt's first failing test
+    max_turns: int = 3
     # multi_turn_tool: "builtin" (an environment server each worker starts on loopback) or
     # the http:// URL of an environment server
     environment: str = "builtin"
@@ -243,6 +247,16 @@ class WorkflowConfig:
     # sampled from the unchanged distribution.
     decode_len_median: int = 0
     decode_len_p99_ratio: float = 8.0  # see decode_len_median
+    # Talking to the environment server (docs/environments.md): each request's timeout;
+    # retries of idempotent calls (/cancel, /health; /start and /step only when nothing was
+    # sent) per call, and the budget they draw on (each request earns this fraction of a
+    # retry); the whole episode's deadline from /start (0 = none); pooled keep-alive
+    # connections at most. A failure costs the episode (handed back, counted), never the worker.
+    env_request_timeout_s: float = 30.0
+    env_retries: int = 2  # see env_request_timeout_s
+    env_retry_budget: float = 0.1  # see env_request_timeout_s
+    env_episode_deadline_s: float = 0.0  # see env_request_timeout_s
+    env_connections: int = 64  # see env_request_timeout_s
     # Latency of each environment step (server side), lognormal by median and p99.
     env_latency_median_s: float = 0.0
     env_latency_p99_s: float = 2.0  # see env_latency_median_s

@@ -1,7 +1,7 @@
 """`astraflow env-server`: an HTTP environment server with an episode protocol like
 AgentBench's task servers, and a small built-in text environment.
 
-Protocol (JSON bodies, `Authorization: Bearer <token>` when the server has a token):
+Protocol (docs/environments.md, for users who serve their own; JSON bodies, `Authorization: Bearer <token>` when the server has a token):
 - `POST /start {"prompt", "answer"}` -> `{"episode", "observation"}`;
 - `POST /step {"episode", "action"}` -> `{"observation", "reward", "done"}`;
 - `POST /cancel {"episode"}` -> `{"ok": true}`; an unknown episode is a 404;

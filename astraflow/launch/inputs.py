@@ -1,11 +1,11 @@
 """Everything a run reads, checked before any component starts: the model directory, the
-data set (every row), the reward, the model family's shape, the packages of the enabled
-metrics backends. A problem is one ConfigError naming the file, line (or row) and field;
-`astraflow run` and the Slurm job's dataflow task exit with it (code 2) within seconds,
-instead of starting components that would wait for a rank that never publishes or
-crash-loop on a load. No torch here: JSON and data files only. The trainer's parallel
-layout is checked against the model: tp must divide its attention and kv heads, pp its
-layers, and the megatron backend must support its config.json.
+data set (every row), the reward, the model family's shape, the sandbox where answers' tests
+run, the packages of the enabled metrics backends. A problem is one ConfigError naming the
+file, line (or row) and field; `astraflow run` and the Slurm job's dataflow task exit with it
+(code 2) within seconds, instead of starting components that would wait for a rank that never
+publishes or crash-loop on a load. No torch here: JSON and data files only. The trainer's
+parallel layout is checked against the model: tp must divide its attention and kv heads, pp
+its layers, and the megatron backend must support its config.json.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from astraflow.config.rundir import RunDir
 from astraflow.config.schema import Config
 from astraflow.models.directory import ModelDirError, check_model_dir
 from astraflow.models.families import FAMILIES
+from astraflow.sandbox import Sandbox
 from astraflow.tasks.sources import TaskSource
 from astraflow.trainer.megatron.spec import MappingError, ModelSpec
 from astraflow.workflows.rewards import load_reward
@@ -59,6 +60,11 @@ def check_inputs(cfg: Config) -> None:
         raise ConfigError(f"tasks.path: required when tasks.kind is {t.kind!r}")
     TaskSource(t)  # reads and validates every row
     load_reward(t.reward)
+    if t.workflow == "code" or t.reward == "code_tests":
+        why = Sandbox.check()  # else every answer would score 0, its tests never run
+        if why:
+            raise ConfigError(f"tasks.{'workflow' if t.workflow == 'code' else 'reward'}: the answers' tests run in "
+                              f"the sandbox, which cannot run here: {why}")
     check_sink_packages(cfg.metrics)
 
 

@@ -8,7 +8,8 @@ the first step at which that reward over the last 5 such steps reaches `TARGET`
 (`analysis/metrics.py`); trained: the samples of the run's steps, each step counted once (a
 step replayed after a trainer restart is not counted again); samples_per_s: those per second
 of the components' wall time (`components_s`: from their start, together with the model's
-preparation, to their stop); eval_accuracy: greedy accuracy of the last published weights on
+preparation, to their stop); failed_episodes: episodes handed back after an environment or tool failure, by kind (the
+workers' `logs/episode-failures-*.jsonl`); eval_accuracy: greedy accuracy of the last published weights on
 the held-out prompts (eval_accuracy_base: the same for the starting weights); wall_s: from the
 start of the run (model build and warm-up included) to the end of that evaluation.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from astraflow.analysis.ledgers import episode_failures
 from astraflow.analysis.metrics import generated_reward, generated_reward_smoothed, generating_window, read_metrics
 from astraflow.config.rundir import RunDir
 
@@ -88,6 +90,7 @@ def write_summary(run: RunDir, status: dict, started: float, t_components: float
         "filtered_zero_advantage": sum(c["filtered"] for c in counts.values()),
         "unused_trainer_done": sum(c["unused"] for c in counts.values()),
         "skipped_prompts": status["tasks"]["skipped"],  # never generated (prompt selection)
+        "failed_episodes": episode_failures(run.path),  # by kind: handed back after an environment/tool failure
         "samples_per_s": trained / components_s if components_s else None,
         "target_reward": TARGET,
         "policies": policies,
@@ -121,5 +124,9 @@ def format_summary(summary: dict) -> str:
     lines.append(f"  {summary['trajectories']} trajectories stored, {summary['trained']} trained ({rate}), "
                  f"{summary['dropped']} dropped (stale {summary['dropped_stale']}, zero advantage "
                  f"{summary['filtered_zero_advantage']}, unused {summary['unused_trainer_done']})")
+    if summary.get("failed_episodes"):
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(summary["failed_episodes"].items()))
+        lines.append(f"  episodes handed back after an environment or tool failure: {kinds} "
+                     f"(logs/episode-failures-*.jsonl)")
     lines.append(f"  details: {run_dir / 'summary.json'}; curve: astraflow plot {run_dir}")
     return "\n".join(lines)

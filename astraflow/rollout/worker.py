@@ -17,7 +17,10 @@ again when the rank no longer knows it. On SIGTERM (or Slurm's warning signal, S
 hands its leases back and exits.
 
 Every acknowledged commit is a line of `logs/acks-<worker>.jsonl` (task, status, sample ids):
-the worker's own ledger, which audits compare with the shards.
+the worker's own ledger, which audits compare with the shards. Every episode that failed on
+its environment or a tool (`EpisodeError`: handed back, leasing paused) is a line of
+`logs/episode-failures-<worker>.jsonl` (task, kind, reason, time), counted by kind in the
+run's summary.
 
 Invariant: a commit is retried until acknowledged (the dataflow rank recognises a repeat by
 task id), so a trajectory is lost only if this process dies before it is acknowledged — and
@@ -34,14 +37,16 @@ import os
 import signal
 import socket
 import time
+from collections import Counter
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
 from astraflow import hardware
+from astraflow.analysis.ledgers import FAILURES_PREFIX
 from astraflow.config.rundir import RunDir
 from astraflow.config.schema import Config
-from astraflow.environments.client import EnvironmentClient
+from astraflow.environments.client import EnvironmentClient, EnvLimits
 from astraflow.heap import long_lived, serving
 from astraflow.models import wait_for_model
 from astraflow.models.tokenizer import ModelTokenizer
@@ -112,7 +117,7 @@ class RolloutWorker:
         self.slot_freed = asyncio.Event()
         self.stopping = False
         self.committed = 0
-        self.episode_failures = 0
+        self.episode_failures: Counter[str] = Counter()  # by EpisodeError.kind
         self.refused: dict[str, int] = {}  # policy -> the damaged weight version last refused
         self.followers: dict[str, Any] = {}  # policy -> its `weights.follower.Follower`, once torch may load
         self.arrived: dict[str, tuple] = {}  # policy -> the newest version received over the collective channel
@@ -166,7 +171,7 @@ class RolloutWorker:
             return None
         if w.environment == "builtin":
             return await EnvironmentClient.builtin(w, seed=self.cfg.run.seed + os.getpid())
-        return EnvironmentClient(w.environment, os.environ.get("ASTRAFLOW_ENV_TOKEN", ""))
+        return EnvironmentClient(w.environment, os.environ.get("ASTRAFLOW_ENV_TOKEN", ""), limits=EnvLimits.of(w))
 
     def notice(self, latest: dict[str, int]) -> None:
         """Wake the weights loop when a lease or commit reply names a version not loaded yet
@@ -267,10 +272,13 @@ class RolloutWorker:
         except EpisodeError as e:
             # the environment or a tool failed, not this worker: the task goes back to the
             # queue, and no new task is leased for a while (doubling while failures go on)
-            self.episode_failures += 1
+            self.episode_failures[e.kind] += 1
             self.failing += 1
             self.pause_until = time.monotonic() + min(MAX_PAUSE_S, 0.25 * 2 ** min(self.failing, 8))
             log.warning("task %d: %s; handing it back", task.task_id, e)
+            self.failures.write(json.dumps({"task": task.task_id, "kind": e.kind, "reason": str(e),
+                                            "time": time.time()}) + "\n")
+            self.failures.flush()
             await self.rpc(lambda: m.Release(self.worker_id, [task.task_id]))
             return
         finally:
@@ -307,6 +315,7 @@ class RolloutWorker:
         self.followers = {p: Follower(self.rundir.path / "weights" / p) for p in self.policies}
         self.hardware = hardware.describe()
         self.acks = open(self.rundir.path / "logs" / f"acks-{self.base_id}.jsonl", "a")
+        self.failures = open(self.rundir.path / "logs" / f"{FAILURES_PREFIX}{self.base_id}.jsonl", "a")
         tokenizer = run_tokenizer(self.rundir)
         self.workflow = WORKFLOWS[cfg.tasks.workflow].run
         self.ctx = EpisodeContext(
@@ -332,8 +341,8 @@ class RolloutWorker:
                 t.cancel()
             await self.hand_back()
             # the worker's own ledger, for tests and post-mortems: what the rank acknowledged
-            log.info("commits acknowledged: %d, episodes handed back after an environment or tool failure: %d, "
-                     "rewards failed: %s", self.committed, self.episode_failures, dict(self.ctx.reward.failures))
+            log.info("commits acknowledged: %d, episodes handed back after an environment or tool failure: %s, "
+                     "rewards failed: %s", self.committed, dict(self.episode_failures), dict(self.ctx.reward.failures))
             if self.own_engines:
                 for e in self.engines.values():
                     e.close()
@@ -341,6 +350,7 @@ class RolloutWorker:
                 await self.ctx.environment.close()
             self.client.close()
             self.acks.close()
+            self.failures.close()
 
     async def lease_loop(self) -> None:
         while not self.stopping:

@@ -26,7 +26,7 @@ import numpy as np
 
 from astraflow.config.loader import ConfigError
 from astraflow.config.schema import TaskSourceConfig
-from astraflow.tasks import datasets, generators
+from astraflow.tasks import code_problems, datasets, generators
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class Split:
 SOURCES: dict[str, Callable[[TaskSourceConfig], Rows]] = {
     "arithmetic": generators.arithmetic,
     "word_problems": generators.word_problems,
+    "code_problems": code_problems.code_problems,
     "jsonl": datasets.JsonlRows,
     "parquet": datasets.ParquetRows,
     "hf_disk": datasets.DiskDatasetRows,

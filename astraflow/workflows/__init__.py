@@ -15,6 +15,7 @@ from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol.messages import Task, Trajectory
 from astraflow.tasks.sources import Item
 from astraflow.workflows import cotrain, tool_agent
+from astraflow.workflows.code import code
 from astraflow.workflows.api import EpisodeContext, EpisodeError
 from astraflow.workflows.rlvr import rlvr
 
@@ -37,6 +38,7 @@ WORKFLOWS: dict[str, WorkflowSpec] = {
     "solver_verifier": WorkflowSpec(cotrain.solver_verifier, cotrain.warmup_examples),
     "solve_and_check": WorkflowSpec(cotrain.solve_and_check, cotrain.warmup_examples),
     "multi_turn_tool": WorkflowSpec(tool_agent.multi_turn_tool, tool_agent.warmup_examples),
+    "code": WorkflowSpec(code, answer_examples),
 }
 
 __all__ = ["WORKFLOWS", "EpisodeContext", "EpisodeError", "WorkflowSpec"]

@@ -37,7 +37,12 @@ Z99 = 2.3263  # the standard normal's 99th percentile
 
 
 class EpisodeError(Exception):
-    """An environment or tool failed mid-episode: the task goes back to the queue."""
+    """An environment or tool failed mid-episode: the task goes back to the queue. `kind`
+    names the failure for the worker's count of them (environments/client.py: KINDS)."""
+
+    def __init__(self, message: str, kind: str = "environment") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def lognormal(rng: np.random.Generator, median: float, p99: float) -> float:

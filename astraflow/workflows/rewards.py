@@ -88,18 +88,15 @@ def boxed_math(completion: str, answer: str) -> float:
 
 async def code_tests(completion: str, answer: str, row: dict) -> float:
     """The fraction of the row's unit tests (`row["tests"]`: Python assert statements) that
-    pass against the completion's code (its last ```python block, else all of it), each run
-    in the tool sandbox under its limits."""
+    pass against the completion's code (its last ```python block, else `row["prefix"]` and
+    the completion), all in one sandboxed run under its limits (`grading.py`)."""
     from astraflow.sandbox import Sandbox
+    from astraflow.workflows.grading import LIMITS, grade, solution_code
 
     tests = row.get("tests") or []
     if not tests:
         return 0.0
-    blocks = re.findall(r"```(?:python)?\n(.*?)```", completion, re.S)
-    code = blocks[-1] if blocks else completion
-    sandbox = Sandbox()
-    results = await asyncio.gather(*(sandbox.run_python(f"{code}\n{test}\n") for test in tests))
-    return sum(r.ok for r in results) / len(tests)
+    return (await grade(Sandbox(LIMITS), solution_code(completion, str(row.get("prefix", ""))), list(tests))).fraction
 
 
 REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math_verify": math_verify, "boxed_math": boxed_math,

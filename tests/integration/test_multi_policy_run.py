@@ -3,8 +3,9 @@
 - solver + verifier: two trainers with their own batch sizes advance independently; a worker
   that hosts only the solver gets no task (episodes need both); no token of one policy is
   ever trained by the other.
-- a tool-using agent in the sync schedule against an environment server that dies mid-run:
-  episodes that lose it are handed back and run again; the worker is never restarted.
+- a tool-using agent in the sync schedule against an environment server that stalls past the
+  request timeout, then dies mid-run: episodes that lose it are recorded with their reason,
+  handed back and run again; the worker is never restarted.
 """
 from __future__ import annotations
 
@@ -88,23 +89,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env_server(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "env-server", "--port", str(port),
-                             "--latency-median-s", "0.05", "--latency-p99-s", "0.3"],
-                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+def env_server(port: int, *stall: str) -> subprocess.Popen:
+    """The built-in server, or with `stall` (`--every N`) one that stalls every Nth step."""
+    cmd = (["-m", "tests.misbehaving_env", "stall", "--stall-s", "5", *stall] if stall else
+           ["-m", "astraflow.cli.main", "env-server", "--latency-median-s", "0.05", "--latency-p99-s", "0.3"])
+    proc = subprocess.Popen([sys.executable, *cmd, "--port", str(port)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     assert proc.stdout.readline().startswith("http://")
     return proc
 
 
 @pytest.mark.skipif(Sandbox.check() is not None, reason=str(Sandbox.check()))
-def test_agent_run_survives_its_environment_server_dying(tmp_path):
+def test_agent_run_survives_its_environment_server_stalling_and_dying(tmp_path):
+    """A server that stalls every 20th step past the request timeout, is then killed and later
+    restarted: those episodes fail (`timeout`, `unreachable`), are recorded with their reason
+    and handed back; the worker goes on and is never restarted."""
     port = free_port()
-    server = env_server(port)
+    # every 20th: a task's group takes ~6 steps, so most tasks still finish (at every 4th
+    # almost none did, and the run made no step in 180 s)
+    server = env_server(port, "--every", "20")
     run_dir = tmp_path / "run"
     overrides = [*SMALL, "warmup.steps=60", "tasks.workflow=multi_turn_tool", "policies.0.role=agent",
                  "trainer.steps=6", "trainer.batch_size=16", "tasks.group_size=4", "engine.max_tokens=8",
                  "rollout.concurrency=4", "schedule.mode=sync", f"workflow.environment=http://127.0.0.1:{port}",
-                 "workflow.reference_guidance=false"]
+                 "workflow.reference_guidance=false", "workflow.env_request_timeout_s=1"]
     launcher = astraflow_run("configs/quickstart.yaml", run_dir, overrides)
     try:
         deadline = time.monotonic() + 180
@@ -124,6 +131,13 @@ def test_agent_run_survives_its_environment_server_dying(tmp_path):
     assert launcher.returncode == 0, err[-3000:]
     log = (run_dir / "logs" / "rollout-0.log").read_text()
     assert "handing it back" in log and "(restart 1)" not in log
+    failures = [json.loads(line) for path in (run_dir / "logs").glob("episode-failures-*.jsonl")
+                for line in path.read_text().splitlines()]
+    kinds = {f["kind"] for f in failures}
+    assert {"timeout", "unreachable"} <= kinds, failures
+    assert all("/step" in f["reason"] or "/start" in f["reason"] for f in failures)
+    summary = json.loads(out[out.index("{"):])
+    assert summary["failed_episodes"] == {k: sum(f["kind"] == k for f in failures) for k in kinds}
     df = load_rows(run_dir)
     assert df.groupby("task_id").size().eq(4).all()  # a handed-back task is stored once, whole
-    assert json.loads(out[out.index("{"):])["policies"]["policy"]["steps"] == 6
+    assert summary["policies"]["policy"]["steps"] == 6

@@ -58,10 +58,12 @@ def test_choices_are_listed():
         parse_config(BASE_CONFIG, overrides=["trainer.ref_kl=-0.1"])
     with pytest.raises(ConfigError, match=r"policies.0.ref_kl: expected >= 0 \(0: no KL term\), got -1.0"):
         parse_config(BASE_CONFIG, overrides=["policies.0.ref_kl=-1"])
-    with pytest.raises(ConfigError, match=r"workflow.reference_guidance: only the rlvr workflow adds reference "
-                                          r"answers; tasks.workflow is 'multi_turn_tool': set it to false"):
+    with pytest.raises(ConfigError, match=r"workflow.reference_guidance: only the rlvr and code workflows add "
+                                          r"reference answers; tasks.workflow is 'multi_turn_tool': set it to false"):
         parse_config(BASE_CONFIG, overrides=["workflow.reference_guidance=true", "tasks.workflow=multi_turn_tool",
                                                  "policies.0.role=agent"])
+    with pytest.raises(ConfigError, match=r"workflow: expected max_turns >= 1, env_request_timeout_s > 0"):
+        parse_config(BASE_CONFIG, overrides=["workflow.env_request_timeout_s=0"])
     with pytest.raises(ConfigError, match=r"workflow.verifier_contrast: only the solver_verifier workflow has "
                                           r"a verifier .*tasks.workflow is 'rlvr': set it to false"):
         parse_config(BASE_CONFIG, overrides=["workflow.verifier_contrast=true"])
