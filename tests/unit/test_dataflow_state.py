@@ -5,6 +5,7 @@ import dataclasses
 import json
 import time
 
+import h5py
 import numpy as np
 import pytest
 
@@ -509,6 +510,39 @@ def test_the_served_ledger_survives_a_restart(tmp_path):
     assert state.handle(m.Consumed("policy", 1, ids)) == m.Ok()
     assert sorted(state.handle(m.Batch("policy", 2, 8)).sample_ids.tolist()) == sorted(buf.served[2])
     assert not set(buf.served[2]) & set(ids)
+    state.close()
+
+
+def test_reading_back_a_batch_costs_a_few_reads_however_many_samples_it_holds(tmp_path, monkeypatch):
+    """Samples past `payload_cache_mb` were read back one row at a time (seven HDF5 reads
+    each: a batch of 256 took a second inside the rank's one thread); now a batch of nearby
+    rows costs one read per dataset, and every sample still comes back as it was sent."""
+    run = make_run(tmp_path, ["tasks.group_size=4", "dataflow.payload_cache_mb=0", "policies.0.buffer_capacity=1024"])
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    w = register(state, capacity=64)
+    sent = {}
+    for task in state.handle(m.Lease(w, 64)).tasks:
+        batch = group(task.task_id, [0, 1, 0, 1], tokens=12)
+        sids = state.handle(m.Commit(w, task.task_id, batch)).sample_ids
+        sent.update({sid: batch.trajectory(i) for i, sid in enumerate(sids)})
+    state.flush()
+    assert state.counters["payload_not_cached"] == 256
+    reads = []
+    real = h5py.Dataset.__getitem__
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", lambda ds, key: reads.append(ds.name) or real(ds, key))
+
+    def serve(step: int, n: int) -> int:
+        reads.clear()
+        reply = state.handle(m.Batch("policy", step, n, 0, 1, 0))
+        for i, sid in enumerate(reply.sample_ids.tolist()):
+            got, want = reply.trajectories.trajectory(i), sent[sid]
+            assert got.tokens.tolist() == want.tokens.tolist() and got.meta == want.meta
+        state.handle(m.Consumed("policy", step, reply.sample_ids.tolist()))
+        return len(reads)
+
+    few, many = serve(1, 8), serve(2, 248)
+    assert many == few <= 8, f"{few} reads for 8 samples, {many} for 248"
     state.close()
 
 
