@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -28,6 +27,7 @@ from astraflow.dataflow.buffers import (CONSUMED, FILTERED, READY, SERVED, Polic
                                        group_stats)
 from astraflow.dataflow.leases import TaskTable
 from astraflow.dataflow.selection import PromptSelection
+from astraflow.dataflow.space import FreeSpace
 from astraflow.dataflow.status import WaitTracker, build_status
 from astraflow.dataflow.validate import InvalidField, Vocabulary, check_commit, check_versions, records_per_commit
 from astraflow.tasks.sources import TaskSource
@@ -96,6 +96,7 @@ class DataflowState:
         self.weights = WeightRegistry(self.run_dir / "weights", {p.name: p.keep_versions for p in cfg.policies})
         self.store = ShardStore(self.run_dir / "shards", self.policy_names, store_options(cfg))
         self.journal = Journal(self.run_dir / "journal", fsync=cfg.store.fsync)
+        self.space = FreeSpace(self.run_dir, clock)
         self.vocabulary = Vocabulary(base_model_dir(self.run_dir, cfg.model.path))  # read at the first commit
         self.max_records = records_per_commit(cfg)
         self.waits = {p: WaitTracker() for p in self.policy_names}
@@ -263,16 +264,19 @@ class DataflowState:
 
         The turn's writes must fit with `store.min_free_mb` to spare (the room left for logs,
         checkpoints and weights on the same filesystem): HDF5 out of space inside a flush
-        crashed the rank (SIGSEGV) and left rows of zeros, so the rank stops before that."""
-        free = shutil.disk_usage(self.run_dir).free
+        crashed the rank (SIGSEGV) and left rows of zeros, so the rank stops before that.
+        The free space is measured at most once a second while there is plenty (space.py)."""
         need = self.store.staged_bytes() + self.journal.pending_bytes()
-        if free < self.cfg.store.min_free_mb * MB + need:
+        keep = int(self.cfg.store.min_free_mb * MB) + need
+        free = self.space.free(keep)
+        if free < keep:
             raise StoreFull(f"only {free / MB:.1f} MB free under {self.run_dir}, this turn writes up to "
                             f"{need / MB:.1f} MB and store.min_free_mb={self.cfg.store.min_free_mb:g} are kept "
                             f"free: stopping before a shard or the journal is cut short; nothing unflushed was "
                             f"acknowledged. Free some space and resume the run")
         self.store.flush()
         self.journal.flush()
+        self.space.wrote(need)
 
     def tick(self, now: float | None = None) -> None:
         """Expire leases and declare silent workers dead."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 
 import h5py
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from astraflow.bench.payload import random_trajectory
+from astraflow.dataflow import space
 from astraflow.dataflow.state import DataflowState
 from astraflow.dataflow.workers import FORGET_AFTER_S
 from astraflow.launch import components
@@ -544,6 +546,28 @@ def test_reading_back_a_batch_costs_a_few_reads_however_many_samples_it_holds(tm
     few, many = serve(1, 8), serve(2, 248)
     assert many == few <= 8, f"{few} reads for 8 samples, {many} for 248"
     state.close()
+
+
+@pytest.mark.parametrize("plenty", [True, False], ids=["plenty of room", "close to full"])
+def test_free_space_is_measured_once_a_second_while_there_is_plenty(env, monkeypatch, plenty):
+    """statfs asks every storage target of a parallel filesystem, and the rank called it at
+    every flush (hundreds a second under load); close to full it still measures every time."""
+    run, state, clock = env
+    if not plenty:
+        monkeypatch.setattr(space, "HEADROOM", 1 << 62)
+    calls = []
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: calls.append(path) or real(path))
+    w = register(state, capacity=300)
+    for task in state.handle(m.Lease(w, 300)).tasks:  # 300 flushes in 3 s, each with a commit
+        clock.t += 0.01
+        state.handle(m.Commit(w, task.task_id, group(task.task_id, [0, 1, 0, 1])))
+        state.flush()
+    if plenty:
+        assert 2 <= len(calls) <= 3  # one a second
+    else:
+        assert len(calls) == 300
+    assert state.handle(m.Status()).status["store"]["free_space_checks"] == len(calls) + 1  # + recovery's flush
 
 
 def test_registration_cost_does_not_grow_with_the_workers_registered(tmp_path):
