@@ -169,7 +169,9 @@ class ShardStore:
                 return action(self._reader(idx))
             except ShardUnavailable as e:
                 self._drop(idx)
-                if e.kind != "transient" or attempt == OPEN_ATTEMPTS:
+                if e.kind != "transient":
+                    raise
+                if attempt == OPEN_ATTEMPTS:
                     raise ShardUnavailable(e.path, e.kind, e.errno, e.what,
                                            f"tried {attempt} times in {waited:.2f}s, the rank stops and its "
                                            f"restart tries again; ") from None

@@ -21,8 +21,12 @@ import numpy as np
 import pytest
 
 from astraflow.bench.payload import random_trajectory
+from astraflow.config.rundir import RunDir
 from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
+from astraflow.store.errors import StoreStop
+from astraflow.store.journal import replay
+from astraflow.store.reader import ShardUnavailable
 from astraflow.store.writer import list_shards
 from tests.conftest import REPO, make_run
 
@@ -87,3 +91,19 @@ def test_an_open_error_that_persists_refuses_the_read_and_moves_nothing(tmp_path
 def test_max_open_shards_must_be_positive(tmp_path, limit):
     with pytest.raises(Exception, match=r"store.max_open_shards: expected >= 1"):
         make_run(tmp_path, [f"store.max_open_shards={limit}"])
+
+
+def test_a_shard_deleted_under_the_rank_is_missing_not_damaged(tmp_path):
+    """Reading back a sample whose shard was deleted stops the rank saying so; it is not
+    journalled as damage (the restart has nothing to quarantine; audit reports what was lost)."""
+    run_dir = run_with_shards(tmp_path, 3)
+    state = DataflowState(run_dir, RunDir.open(run_dir, ["store.max_open_shards=1"]).config, clock=lambda: 1000.0)
+    state.recover()
+    assert state.store.open_shards == 1  # the last shard's reader: the first was closed, not held
+    list_shards(run_dir / "shards")[0].unlink()
+    with pytest.raises(ShardUnavailable, match=r"shard-000000.h5: .*No such file or directory\): missing, not "
+                                                r"damage; nothing was moved") as stopped:
+        state.handle(m.Batch("policy", 1, 8, 0, 1, 0))
+    assert isinstance(stopped.value, StoreStop) and stopped.value.kind == "missing"
+    state.close()
+    assert not [ev for ev in replay(run_dir / "journal") if ev["ev"] == "damaged"]
