@@ -6,11 +6,12 @@ filesystems without POSIX write ordering (NFS) SWMR is not safe for a live shard
 there should use only closed shards (`closed_only=True` in `load_rows`).
 
 A shard that cannot be read is reported as `ShardCorrupt`; the caller quarantines it. One that
-is not damaged but must not be used as it is (a newer schema, no permission to read it,
-locked by another process) is `StoreRefused` (store/errors.py): nothing is moved. An error
-of the operating system that says nothing about the file's bytes (it vanished; too many open
-files, I/O error, a stale handle: `TRANSIENT_ERRNOS`) is `ShardUnavailable`, a refusal too:
-the dataflow rank retries those (store/shards.py), and only damage is ever quarantined. Rows
+is not damaged but must not be used as it is (a newer schema, no permission to read it) is
+`StoreRefused` (store/errors.py): nothing is moved. A shard locked by another process, and an
+error of the operating system that says nothing about the file's bytes (it vanished; too
+many open files, I/O error, a stale handle: `TRANSIENT_ERRNOS`) are `ShardUnavailable`, a
+refusal too: the dataflow rank tries locked and transient ones again (store/shards.py), and
+only damage is ever quarantined. Rows
 at the end of the table that point at nothing (a write cut short: rows of zeros, rows past
 the data) are a torn tail: they are ignored and counted (`ShardReader.torn`, the
 `torn` attribute of `load_rows`), and the rows before them are kept.
@@ -44,7 +45,8 @@ class ShardCorrupt(Exception):
 
 class ShardUnavailable(StoreRefused):
     """A shard that could not be opened or read for a reason outside the file: `kind` is
-    "missing" (it vanished) or "transient" (an errno of `TRANSIENT_ERRNOS`: worth another try)."""
+    "missing" (it vanished), "locked" (another process holds its lock: a rank still exiting,
+    or another one running) or "transient" (an errno of `TRANSIENT_ERRNOS`)."""
 
     def __init__(self, path: Path, kind: str, code: int, what: str, tried: str = "") -> None:
         super().__init__(f"{path}: {what} ({os.strerror(code)}): {kind}, not damage; {tried}nothing was moved")
@@ -148,8 +150,9 @@ class ShardReader:
             return open_swmr(self.path, LIVE_READ_ATTEMPTS if self.writing else 1, locking)
         except OSError as e:
             if "unable to lock file" in str(e):  # not damage: someone else holds it
-                raise StoreRefused(f"{self.path}: locked by another process ({e}): is another dataflow rank "
-                                   f"running on this run directory? Nothing was moved") from None
+                raise ShardUnavailable(self.path, "locked", e.errno or errno.EAGAIN,
+                                       "locked by another process (is another dataflow rank running on this run "
+                                       "directory?)") from None
             raise
 
     @contextlib.contextmanager

@@ -11,13 +11,13 @@ never written again). Locations are `(shard_index, row)` pairs.
 Open shards are bounded (parallel-filesystem manners): at most `max_open_shards` readers are
 kept, least recently used closed first, so a run of thousands of shards needs no more file
 descriptors than that, at recovery and while serving. An error on opening or reading a shard
-is classified (reader.py): damage (`ShardCorrupt`) is quarantined; a shard locked by another
-process or unreadable to this user is refused (`StoreRefused`) and one that vanished is
-`ShardUnavailable` "missing": nothing is moved; a transient error of the operating system
-(too many open files, EIO, ESTALE, ...) is tried again `OPEN_ATTEMPTS` times with doubling
-waits, after giving back descriptors when they ran out, and if it persists the rank stops
-(`ShardUnavailable`) and its restart tries again. So only a shard proven damaged is ever
-quarantined.
+is classified (reader.py): damage (`ShardCorrupt`) is quarantined; a shard unreadable to
+this user is refused (`StoreRefused`) and one that vanished is `ShardUnavailable` "missing":
+nothing is moved; a lock held by another process and a transient error of the operating
+system (too many open files, EIO, ESTALE, ...) are tried again `OPEN_ATTEMPTS` times with
+doubling waits, after giving back descriptors when they ran out, and if they persist the
+rank stops (`ShardUnavailable`), moving nothing, and its restart tries again. So only a shard
+proven damaged is ever quarantined.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ from astraflow.store.writer import RowBatch, ShardWriter, StoreOptions, list_sha
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-OPEN_ATTEMPTS = 6  # a transient error is tried again after 0.05, 0.1, 0.2, 0.4 and 0.8 s
+RETRIED = ("transient", "locked")  # kinds of `ShardUnavailable` tried again (a lock: its holder may be exiting)
+OPEN_ATTEMPTS = 6  # tried again after 0.05, 0.1, 0.2, 0.4 and 0.8 s
 FIRST_RETRY_S = 0.05
 
 
@@ -169,7 +170,7 @@ class ShardStore:
                 return action(self._reader(idx))
             except ShardUnavailable as e:
                 self._drop(idx)
-                if e.kind != "transient":
+                if e.kind not in RETRIED:
                     raise
                 if attempt == OPEN_ATTEMPTS:
                     raise ShardUnavailable(e.path, e.kind, e.errno, e.what,

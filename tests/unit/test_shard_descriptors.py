@@ -107,3 +107,31 @@ def test_a_shard_deleted_under_the_rank_is_missing_not_damaged(tmp_path):
     assert isinstance(stopped.value, StoreStop) and stopped.value.kind == "missing"
     state.close()
     assert not [ev for ev in replay(run_dir / "journal") if ev["ev"] == "damaged"]
+
+
+HOLD_LOCK = "import h5py, sys, time; f = h5py.File(sys.argv[1], 'r+', locking=True); print('held', flush=True); " \
+            "time.sleep(float(sys.argv[2]))"
+
+
+@pytest.mark.parametrize("held_s", [0.3, 30.0], ids=["released", "held"])
+def test_a_shard_locked_by_another_process_is_waited_for_then_refused_never_quarantined(tmp_path, held_s):
+    """The holder of the lock may be a rank still exiting: recovery tries again for 1.55 s."""
+    run_dir = run_with_shards(tmp_path, 2)
+    shard = list_shards(run_dir / "shards")[1]
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(shard), str(held_s)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        state = DataflowState(run_dir, RunDir.open(run_dir).config, clock=lambda: 1000.0)
+        if held_s < 1:
+            state.recover()
+            assert len(state.tasks.done) == 2 and state.store.retries > 0 and not state.store.quarantined
+        else:
+            with pytest.raises(ShardUnavailable, match=r"locked by another process .*tried 6 times") as refused:
+                state.recover()
+            assert refused.value.kind == "locked" and not state.store.quarantined
+        state.close()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(list_shards(run_dir / "shards")) == 2 and not (run_dir / "shards" / "quarantine").exists()
