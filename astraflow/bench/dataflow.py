@@ -11,6 +11,10 @@ integration tests kill it to prove that).
 
 The same run also measures the ceilings of the pieces, for context: raw HDF5 append
 bandwidth, msgpack encode/decode and HMAC-SHA256 throughput on a commit-sized message.
+
+A run lists its `problems` (and the CLI exits 1): serving that fell behind storing
+(`served_vs_committed` under `SERVED_FLOOR`), samples the rank counted as unused, checksum
+failures, acknowledged trajectories not stored. Its throughput is then not the rank's.
 """
 from __future__ import annotations
 
@@ -42,16 +46,31 @@ from astraflow.store.writer import RowBatch, ShardWriter, StoreOptions
 GROUP = 8
 BATCH = 256
 PREFETCH = 2
+# Served and verified over acknowledged below this is a problem of the run (`problems`): the
+# consumer runs a second past the workers to catch up, so a rank that keeps up serves ~1.
+SERVED_FLOOR = 0.9
 BYTES_PER_TOKEN = 4 + 4 + 1 + 4 + 1  # tokens, logprobs, loss mask, versions, token policy
+
+# The consumer takes the trainer's part for as long as the bench runs: its planned steps must
+# outlast any run (a run of the default 50 steps had the rank count every later sample as a
+# finished trainer's, unused, and the consumer waited out the clock: 12,800 served, whatever
+# the duration).
+TRAINER_STEPS = 1 << 30
 
 CONFIG = """
 run: {{name: bench-dataflow, seed: 0}}
 dataflow: {{interface: loopback, lease_s: 120, heartbeat_timeout_s: 120}}
 store: {{compression: {compression}, shard_max_mb: 2048}}
 tasks: {{kind: arithmetic, group_size: {group}, heldout: 0, max_operand: 40}}
+trainer: {{steps: {steps}, batch_size: {batch}}}
 policies:
   - {{name: policy, max_staleness: 1000000, buffer_capacity: {capacity}, filter_zero_advantage: false}}
 """
+
+
+def bench_config(compression: str = "none") -> str:
+    """The bench run's config.yaml."""
+    return CONFIG.format(compression=compression, group=GROUP, capacity=1 << 20, steps=TRAINER_STEPS, batch=BATCH)
 
 
 # The load generators run at a lower priority than the dataflow rank they load, as they
@@ -120,6 +139,7 @@ def _consumer(run_dir: str, seconds: float, go: "mp.Barrier", out: mp.Queue) -> 
     cpu0 = sum(os.times()[:2])
     deadline = time.time() + seconds + 1.0  # a little longer: serve what was committed at the end
     verified, bad, seen = 0, 0, set()
+    longest_wait, waiting_since = 0.0, time.time()
     # Like a trainer that prefetches: batches for the next PREFETCH steps are requested before
     # this one is checked, and acknowledgements are not waited for one by one.
     inflight = deque((s, c.send(m.Batch("policy", s, BATCH))) for s in range(1, PREFETCH + 1))
@@ -133,6 +153,7 @@ def _consumer(run_dir: str, seconds: float, go: "mp.Barrier", out: mp.Queue) -> 
             break
         if batch is None:
             break
+        longest_wait, waiting_since = max(longest_wait, time.time() - waiting_since), time.time()
         sample_ids = batch.sample_ids.tolist()
         acks.append(c.send(m.Consumed("policy", step, sample_ids)))
         inflight.append((step + PREFETCH, c.send(m.Batch("policy", step + PREFETCH, BATCH))))
@@ -148,7 +169,9 @@ def _consumer(run_dir: str, seconds: float, go: "mp.Barrier", out: mp.Queue) -> 
             c.poll(seq, 5.0)
         except RemoteError as e:
             stopped = f"consumed refused: {e}"
-    out.put({"verified": verified, "bad": bad, "steps": step, "stopped": stopped, "cpu_s": sum(os.times()[:2]) - cpu0})
+    longest_wait = max(longest_wait, min(time.time(), deadline) - waiting_since)  # a wait the clock cut short
+    out.put({"verified": verified, "bad": bad, "steps": step, "stopped": stopped, "longest_wait_s": longest_wait,
+             "cpu_s": sum(os.times()[:2]) - cpu0})
 
 
 def _ceilings(tokens: int, tmp: Path) -> dict[str, float]:
@@ -198,7 +221,7 @@ def run_bench(workers: int = 8, clients_per_process: int = 8, seconds: float = 2
               compression: str = "none", run_dir: str | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="astraflow-bench-"))
     cfg = tmp / "bench.yaml"
-    cfg.write_text(CONFIG.format(compression=compression, group=GROUP, capacity=1 << 20))
+    cfg.write_text(bench_config(compression))
     run = RunDir.create(Path(run_dir) if run_dir else tmp / "run", cfg)
     log = open(run.path / "logs" / "dataflow.log", "w")
     rank = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "dataflow", "--run-dir", str(run.path)],
@@ -231,21 +254,27 @@ def run_bench(workers: int = 8, clients_per_process: int = 8, seconds: float = 2
     committed = sum(r.get("committed", 0) for r in results)
     consumer = next(r for r in results if "verified" in r)
     elapsed = seconds
+    served = consumer["verified"] / max(committed, 1)
+    policy = status["policies"]["policy"]
     result = {
         "workers": workers, "clients_per_process": clients_per_process, "tokens": tokens, "group": GROUP,
         "seconds": seconds, "compression": compression,
         "trajectories_committed": committed,
         "trajectories_verified": consumer["verified"], "checksum_failures": consumer["bad"],
         "consumer_steps": consumer["steps"], "consumer_stopped": consumer["stopped"],
+        "consumer_longest_wait_s": consumer["longest_wait_s"],
+        # served and verified / acknowledged: about 1 while serving keeps up with storing
+        "served_vs_committed": served,
+        "dataflow_unused": policy["unused"],  # samples stored after the rank took the trainer for finished
         "trajectories_per_s": min(committed, consumer["verified"]) / elapsed,
         "committed_per_s": committed / elapsed,
         "tokens_per_s": min(committed, consumer["verified"]) * tokens / elapsed,
         "mb_per_s": committed * tokens * BYTES_PER_TOKEN / 1e6 / elapsed,
         "p50_commit_ms": float(np.percentile(lat, 50) * 1e3),
         "p99_commit_ms": float(np.percentile(lat, 99) * 1e3),
-        "dataflow_stored": status["policies"]["policy"]["stored"],
+        "dataflow_stored": policy["stored"],
         # every acknowledged trajectory must be stored (more may be: commits whose ack was not read)
-        "acknowledged_not_stored": max(0, committed - status["policies"]["policy"]["stored"]),
+        "acknowledged_not_stored": max(0, committed - policy["stored"]),
         "dataflow_rejected": {k: v for k, v in status["protocol"]["counters"].items() if k.startswith(("rejected", "error"))},
         "ceilings": ceilings,
         "cpu_s": {"dataflow": sum(status["process"][k] - before[k] for k in ("cpu_user_s", "cpu_sys_s")),
@@ -254,6 +283,24 @@ def run_bench(workers: int = 8, clients_per_process: int = 8, seconds: float = 2
         "dataflow_peak_rss_mb": status["process"]["peak_rss_mb"],
         "wall_s": wall,
     }
+    result["problems"] = problems(result)
     if run_dir is None:
         shutil.rmtree(tmp, ignore_errors=True)
     return result
+
+
+def problems(result: dict) -> list[str]:
+    """What makes a run's figures wrong, one line each (the CLI exits 1 on any): serving that
+    fell behind storing is the rank's limit, not a number to report as throughput."""
+    out = []
+    if result["served_vs_committed"] < SERVED_FLOOR:
+        out.append(f"served and verified {result['trajectories_verified']:,} of {result['trajectories_committed']:,} "
+                   f"acknowledged ({result['served_vs_committed']:.2f} < {SERVED_FLOOR}): serving fell behind "
+                   f"storing (the consumer waited up to {result['consumer_longest_wait_s']:.1f}s for a batch)")
+    if result["dataflow_unused"]:
+        out.append(f"{result['dataflow_unused']:,} stored samples counted as unused: the rank took the consumer "
+                   f"for a finished trainer")
+    if result["checksum_failures"] or result["acknowledged_not_stored"]:
+        out.append(f"{result['checksum_failures']} checksum failures, {result['acknowledged_not_stored']} "
+                   f"acknowledged trajectories not stored")
+    return out

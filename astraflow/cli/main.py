@@ -63,7 +63,9 @@ def _bench(args: argparse.Namespace) -> int:
                        seconds=args.seconds, tokens=args.tokens, compression=args.compression,
                        run_dir=args.run_dir)
     print(json.dumps(result, indent=None if args.json else 2))
-    return 0
+    for problem in result["problems"]:
+        print(f"astraflow bench dataflow: {problem}", file=sys.stderr)
+    return 1 if result["problems"] else 0
 
 
 def _make_model(args: argparse.Namespace) -> int:

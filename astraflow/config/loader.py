@@ -189,6 +189,9 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('elastic')}: elastic: expected 0 <= shrink_below < grow_above <= 1")
     if cfg.dataflow.max_trajectory_tokens < 1:
         raise ConfigError(f"{where.at('dataflow.max_trajectory_tokens')}: dataflow.max_trajectory_tokens: expected >= 1")
+    if cfg.store.max_open_shards < 1:
+        raise ConfigError(f"{where.at('store.max_open_shards')}: store.max_open_shards: expected >= 1, "
+                          f"got {cfg.store.max_open_shards}")
     if cfg.tasks.group_size < 1:
         raise ConfigError(f"{where.at('tasks.group_size')}: tasks.group_size: expected >= 1")
     sel = cfg.selection

@@ -64,6 +64,10 @@ class StoreConfig:
     locking: bool = True
     # fsync after every flush: survives power loss, not only a killed process.
     fsync: bool = False
+    # Shards the dataflow rank keeps open for reading back samples (one file descriptor each;
+    # the least recently used is closed first). Recovery and serving never hold more, however
+    # many shards a run has; keep it well under the open-file limit (`ulimit -n`).
+    max_open_shards: int = runtime(64)
     # The dataflow rank stops (cleanly, saying why) before a flush that would leave its
     # filesystem less free space than this, rather than let a full disk cut a shard or the
     # journal short mid-write (HDF5 crashed the process on ENOSPC here). The flush's own size

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -28,6 +27,7 @@ from astraflow.dataflow.buffers import (CONSUMED, FILTERED, READY, SERVED, Polic
                                        group_stats)
 from astraflow.dataflow.leases import TaskTable
 from astraflow.dataflow.selection import PromptSelection
+from astraflow.dataflow.space import FreeSpace
 from astraflow.dataflow.status import WaitTracker, build_status
 from astraflow.dataflow.validate import InvalidField, Vocabulary, check_commit, check_versions, records_per_commit
 from astraflow.tasks.sources import TaskSource
@@ -75,7 +75,7 @@ def store_options(cfg: Config) -> StoreOptions:
     s = cfg.store
     return StoreOptions(compression=s.compression, gzip_level=s.gzip_level,
                         shard_max_bytes=int(s.shard_max_mb * (1 << 20)), chunk_tokens=s.chunk_tokens,
-                        locking=s.locking, fsync=s.fsync)
+                        locking=s.locking, fsync=s.fsync, max_open_shards=s.max_open_shards)
 
 
 class DataflowState:
@@ -96,6 +96,7 @@ class DataflowState:
         self.weights = WeightRegistry(self.run_dir / "weights", {p.name: p.keep_versions for p in cfg.policies})
         self.store = ShardStore(self.run_dir / "shards", self.policy_names, store_options(cfg))
         self.journal = Journal(self.run_dir / "journal", fsync=cfg.store.fsync)
+        self.space = FreeSpace(self.run_dir, clock)
         self.vocabulary = Vocabulary(base_model_dir(self.run_dir, cfg.model.path))  # read at the first commit
         self.max_records = records_per_commit(cfg)
         self.waits = {p: WaitTracker() for p in self.policy_names}
@@ -263,16 +264,19 @@ class DataflowState:
 
         The turn's writes must fit with `store.min_free_mb` to spare (the room left for logs,
         checkpoints and weights on the same filesystem): HDF5 out of space inside a flush
-        crashed the rank (SIGSEGV) and left rows of zeros, so the rank stops before that."""
-        free = shutil.disk_usage(self.run_dir).free
+        crashed the rank (SIGSEGV) and left rows of zeros, so the rank stops before that.
+        The free space is measured at most once a second while there is plenty (space.py)."""
         need = self.store.staged_bytes() + self.journal.pending_bytes()
-        if free < self.cfg.store.min_free_mb * MB + need:
+        keep = int(self.cfg.store.min_free_mb * MB) + need
+        free = self.space.free(keep)
+        if free < keep:
             raise StoreFull(f"only {free / MB:.1f} MB free under {self.run_dir}, this turn writes up to "
                             f"{need / MB:.1f} MB and store.min_free_mb={self.cfg.store.min_free_mb:g} are kept "
                             f"free: stopping before a shard or the journal is cut short; nothing unflushed was "
                             f"acknowledged. Free some space and resume the run")
         self.store.flush()
         self.journal.flush()
+        self.space.wrote(need)
 
     def tick(self, now: float | None = None) -> None:
         """Expire leases and declare silent workers dead."""
@@ -584,7 +588,7 @@ class DataflowState:
         infos = [buf.samples[sid] for sid in ids[req.rank::req.world]]
         generated_mean, generated_count = buf.generated_reward() if req.rank == 0 and not replay else (0.0, 0)
         return m.BatchReply(
-            req.step, replay, m.TrajectoryBatch.gather([self._payload(i) for i in infos]),
+            req.step, replay, self._payloads(infos),
             sample_ids=np.array([i.sample_id for i in infos], np.int64),
             task_ids=np.array([i.task_id for i in infos], np.int64),
             advantages=np.array([i.advantage for i in infos], np.float32),
@@ -613,23 +617,25 @@ class DataflowState:
             raise RequestError("bad_request", f"step {req.step}: expected a step already served, or 1 .. {last} "
                                               f"(at most {STEPS_AHEAD} past the last acknowledged step)")
 
-    def _payload(self, info: SampleInfo) -> tuple[m.TrajectoryBatch, int]:
-        """Where a sample's trajectory is in memory; read back from its shard if it is not."""
-        if info.payload is None:
-            try:
-                rec = self.store.read(info.loc)
-            except ShardCorrupt as e:
-                # written now: the restart must learn of it, and nothing else is acknowledged
-                self.journal.append("damaged", shard=e.path.name, why=e.why, time=time.time())
-                self.journal.flush()
-                raise ShardDamaged(f"{e.path.name} cannot be read back ({e.why}); recorded in the journal: the "
-                                   f"rank stops and its restart quarantines the shard (its tasks are handed "
-                                   f"out again)") from None
-            traj = m.Trajectory(rec["policy"], rec["tokens"], rec["logprobs"], rec["loss_mask"], rec["versions"],
-                                rec["token_policy"], rec["reward"], rec["episode_id"], rec["group_id"], rec["gen_s"],
-                                rec["meta"])
-            return m.TrajectoryBatch.from_trajectories([traj]), 0
-        return info.payload
+    def _payloads(self, infos: list[SampleInfo]) -> m.TrajectoryBatch:
+        """The samples' trajectories as one batch: from memory where cached, the others read
+        back from their shards in one batched read (`ShardStore.read`)."""
+        missing = [i.loc for i in infos if i.payload is None]
+        try:
+            records = self.store.read(missing) if missing else []
+        except ShardCorrupt as e:
+            # written now: the restart must learn of it, and nothing else is acknowledged
+            self.journal.append("damaged", shard=e.path.name, why=e.why, time=time.time())
+            self.journal.flush()
+            raise ShardDamaged(f"{e.path.name} cannot be read back ({e.why}); recorded in the journal: the "
+                               f"rank stops and its restart quarantines the shard (its tasks are handed "
+                               f"out again)") from None
+        read = m.TrajectoryBatch.from_trajectories([
+            m.Trajectory(r["policy"], r["tokens"], r["logprobs"], r["loss_mask"], r["versions"], r["token_policy"],
+                         r["reward"], r["episode_id"], r["group_id"], r["gen_s"], r["meta"]) for r in records])
+        reread = iter(range(len(records)))
+        return m.TrajectoryBatch.gather([i.payload if i.payload is not None else (read, next(reread))
+                                         for i in infos])
 
     def _consumed(self, req: m.Consumed, now: float) -> m.Ok:
         self._check_policies([req.policy])

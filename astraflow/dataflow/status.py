@@ -11,7 +11,9 @@ elastic controller:
     policies: {name: {stored, served, consumed, dropped_stale, filtered, replayed, unused, buffered,
               latest_version, trainer_step, trainer_wait_fraction, trainer}}
     throughput: {per_partition: {p: {trajectories_per_s, tokens_per_s}}}
-    store:    active_shard, quarantined[], torn_rows{shard: rows of a torn tail, ignored}, lost_samples
+    store:    active_shard, quarantined[], torn_rows{shard: rows of a torn tail, ignored}, lost_samples,
+              open_shards (held for reading), retries (transient errors on a shard tried again),
+              free_space_checks (statfs calls of the flush guard)
     protocol: {counters: {request kind or error code: n}}
     process:  cpu_user_s, cpu_sys_s, peak_rss_mb (of the dataflow rank)
 Rates and `trainer_wait_fraction` are over the last `dataflow.status_window_s` seconds.
@@ -100,6 +102,8 @@ def build_status(state: "DataflowState", now: float) -> dict[str, Any]:
         "throughput": {"per_partition": dict(part_rates)},
         "store": {"active_shard": state.store.active_shard, "quarantined": list(state.store.quarantined),
                   "torn_rows": dict(state.store.torn_rows), "lost_samples": state.lost_samples,
+                  "open_shards": state.store.open_shards, "retries": state.store.retries,
+                  "free_space_checks": state.space.measurements,
                   "payload_cache_mb": cached_mb(state.buffers.values())},
         "protocol": {"counters": dict(state.counters)},
         "process": _process_usage(),

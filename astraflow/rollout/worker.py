@@ -52,6 +52,7 @@ from astraflow.models import wait_for_model
 from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol import messages as m
 from astraflow.protocol.aclient import AsyncClient
+from astraflow.protocol.backoff import Backoff
 from astraflow.protocol.client import moved_to, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
 from astraflow.rollout.engines import ENGINES, import_library
@@ -64,7 +65,9 @@ from astraflow.workflows.rewards import Scorer
 
 log = logging.getLogger(__name__)
 
-
+# Lease refusals whose end nobody can predict (the trainer is behind, every task is out): asked
+# again with a growing wait. A sync round's refusals end with a trainer step and keep the hint.
+OPEN_ENDED = ("backpressure", "drained", "no_matching_policies")
 FOLLOW_S = 0.5  # how often the rendezvous file is read for a restarted rank's address
 MAX_PAUSE_S = 5.0  # the longest pause in leasing after environment or tool failures
 
@@ -123,6 +126,7 @@ class RolloutWorker:
         self.arrived: dict[str, tuple] = {}  # policy -> the newest version received over the collective channel
         self.failing = 0  # episode failures in a row
         self.pause_until = 0.0  # no leases before this (monotonic), after episode failures
+        self.lease_backoff = Backoff()  # between refused leases
         self.engine_load_s = 0.0
         self.newer_weights = asyncio.Event()  # a reply said a newer version is out: load it now
         self.hardware = ""  # described once the engines are built: torch must load after OMP_NUM_THREADS is set
@@ -375,10 +379,13 @@ class RolloutWorker:
                     await self.retire()
                     return
                 if reply.tasks:
+                    self.lease_backoff.reset()
                     continue
                 if reply.reason == "stale_weights":  # the reply's `latest` woke the weights loop:
                     await self.weights_changed(held, reply.retry_after_s)  # ask again once they are in
-                else:
+                elif reply.reason in OPEN_ENDED:  # no telling when: later and later (protocol/backoff.py)
+                    await asyncio.sleep(self.lease_backoff.delay(reply.retry_after_s))
+                else:  # a sync round's wait: it ends with a step, and the round starts at once
                     await asyncio.sleep(max(0.02, reply.retry_after_s))
             if self.inflight:
                 self.slot_freed.clear()

@@ -6,8 +6,12 @@ filesystems without POSIX write ordering (NFS) SWMR is not safe for a live shard
 there should use only closed shards (`closed_only=True` in `load_rows`).
 
 A shard that cannot be read is reported as `ShardCorrupt`; the caller quarantines it. One that
-is not damaged but must not be used as it is (a newer schema, no permission to read it,
-locked by another process) is `StoreRefused` (store/errors.py): nothing is moved. Rows
+is not damaged but must not be used as it is (a newer schema, no permission to read it) is
+`StoreRefused` (store/errors.py): nothing is moved. A shard locked by another process, and an
+error of the operating system that says nothing about the file's bytes (it vanished; too
+many open files, I/O error, a stale handle: `TRANSIENT_ERRNOS`) are `ShardUnavailable`, a
+refusal too: the dataflow rank tries locked and transient ones again (store/shards.py), and
+only damage is ever quarantined. Rows
 at the end of the table that point at nothing (a write cut short: rows of zeros, rows past
 the data) are a torn tail: they are ignored and counted (`ShardReader.torn`, the
 `torn` attribute of `load_rows`), and the rows before them are kept.
@@ -15,11 +19,13 @@ the data) are a torn tail: they are ignored and counted (`ShardReader.torn`, the
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import h5py
 import numpy as np
@@ -37,8 +43,43 @@ class ShardCorrupt(Exception):
         self.path, self.why = path, why
 
 
+class ShardUnavailable(StoreRefused):
+    """A shard that could not be opened or read for a reason outside the file: `kind` is
+    "missing" (it vanished), "locked" (another process holds its lock: a rank still exiting,
+    or another one running) or "transient" (an errno of `TRANSIENT_ERRNOS`)."""
+
+    def __init__(self, path: Path, kind: str, code: int, what: str, tried: str = "") -> None:
+        super().__init__(f"{path}: {what} ({os.strerror(code)}): {kind}, not damage; {tried}nothing was moved")
+        self.path, self.kind, self.errno, self.what = path, kind, code, what
+
+
+# Errors of the operating system or of a parallel filesystem's client that say nothing about
+# the file's bytes: out of descriptors or memory, an interrupted or timed-out call, a server
+# that went away (EIO and ESTALE on Lustre and NFS while a server fails over).
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EIO, errno.EAGAIN, errno.EINTR, errno.ENOMEM,
+                              errno.ETIMEDOUT, errno.ESTALE, errno.EBUSY, errno.ENOLCK, errno.ECONNRESET,
+                              errno.ENOBUFS, errno.EHOSTDOWN})
+
+
+def os_error(path: Path, e: BaseException, what: str) -> ShardUnavailable | None:
+    """`e` as a `ShardUnavailable` if the operating system's error it carries is not damage.
+    h5py passes the errno on as `e.errno` on an open, only in the message ("errno = 5") on a read."""
+    code = getattr(e, "errno", None)
+    if not isinstance(code, int):
+        found = re.search(r"errno = (\d+)", str(e))
+        code = int(found[1]) if found else None
+    if code == errno.ENOENT:
+        return ShardUnavailable(path, "missing", code, what)
+    if code in TRANSIENT_ERRNOS:
+        return ShardUnavailable(path, "transient", code, what)
+    return None
+
+
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 LIVE_LOOKS, LIVE_LOOK_S = 3, 0.005  # further looks at a growing shard's rows before calling them torn
+# Rows at most this far apart are read back in one span (the rows between are read too: at
+# most this many records' data, against a read per dataset for each separate span).
+SPAN_GAP_ROWS = 64
 
 
 SWMR_WRITE_FLAGS = 0x05  # superblock v3 consistency flags of a file open for SWMR writing
@@ -60,7 +101,7 @@ def check_not_truncated(path: Path) -> bool:
     except PermissionError as e:
         raise StoreRefused(f"{path}: cannot be read ({e.strerror}): fix its permissions; nothing was moved") from None
     except OSError as e:
-        raise ShardCorrupt(path, f"cannot read: {e.strerror}") from None
+        raise os_error(path, e, "cannot open") or ShardCorrupt(path, f"cannot read: {e.strerror}") from None
     if head[:8] != HDF5_SIGNATURE:
         raise ShardCorrupt(path, "not an HDF5 file (bad signature)")
     if len(head) < 12 or head[8] not in (2, 3):
@@ -86,26 +127,32 @@ class ShardReader:
         self.writing = (check_not_truncated(self.path) and writer_alive) if file is None else True
         with self._damage("cannot open"):
             self.file = file if file is not None else self._open(locking)
-            version = int(self.file.attrs["schema_version"])
-            self.policy_names = tuple(p.decode() for p in self.file.attrs["policy_names"])
-        if version not in READABLE_VERSIONS:
-            if file is None:
-                self.file.close()
-            raise StoreRefused(f"{self.path}: schema_version {version}, this code reads {list(READABLE_VERSIONS)}: "
-                               f"written by a newer AstraFlow, read it with that; nothing was moved")
         self.n_rows = 0
         self.torn = 0  # rows after the good ones that point at nothing (see `refresh`)
         self._ends = (0, 0)  # where the last good row's tokens and metadata end
-        if file is None:  # a reader over the writer's own open file needs no refresh
-            self.refresh()
+        try:
+            with self._damage("cannot open"):
+                version = int(self.file.attrs["schema_version"])
+                self.policy_names = tuple(p.decode() for p in self.file.attrs["policy_names"])
+            if version not in READABLE_VERSIONS:
+                raise StoreRefused(f"{self.path}: schema_version {version}, this code reads "
+                                   f"{list(READABLE_VERSIONS)}: written by a newer AstraFlow, read it with that; "
+                                   f"nothing was moved")
+            if file is None:  # a reader over the writer's own open file needs no refresh
+                self.refresh()
+        except BaseException:
+            if file is None:  # a reader that fails to start holds no file (a retried open would leak one each time)
+                self.file.close()
+            raise
 
     def _open(self, locking: bool) -> h5py.File:
         try:
             return open_swmr(self.path, LIVE_READ_ATTEMPTS if self.writing else 1, locking)
         except OSError as e:
             if "unable to lock file" in str(e):  # not damage: someone else holds it
-                raise StoreRefused(f"{self.path}: locked by another process ({e}): is another dataflow rank "
-                                   f"running on this run directory? Nothing was moved") from None
+                raise ShardUnavailable(self.path, "locked", e.errno or errno.EAGAIN,
+                                       "locked by another process (is another dataflow rank running on this run "
+                                       "directory?)") from None
             raise
 
     @contextlib.contextmanager
@@ -118,7 +165,7 @@ class ShardReader:
         except (ShardCorrupt, StoreRefused):
             raise
         except Exception as e:  # noqa: BLE001 - see above
-            raise ShardCorrupt(self.path, f"{what} ({type(e).__name__}: {e})") from None
+            raise os_error(self.path, e, what) or ShardCorrupt(self.path, f"{what} ({type(e).__name__}: {e})") from None
 
     def refresh(self) -> int:
         """Re-read dataset extents (live shards); returns the number of good rows.
@@ -189,17 +236,45 @@ class ShardReader:
 
     def trajectory(self, row: int) -> dict[str, Any]:
         """One stored row with its per-token arrays and decoded metadata."""
-        with self._damage(f"row {row} unreadable"):
-            rec = self.file["rows"][row]
-            r = {c: _column(rec, c) for c in ROW_COLUMNS}
-            lo, n = int(r["offset"]), int(r["length"])
-            out: dict[str, Any] = {c: self.file[c][lo:lo + n] for c in TOKEN_COLUMNS}
-            mlo, mn = int(r["meta_offset"]), int(r["meta_length"])
-            out["meta"] = json.loads(self.file[META_COLUMN][mlo:mlo + mn].tobytes() or b"{}")
-            out.update({k: v.item() if hasattr(v, "item") else v for k, v in r.items()})
-            out["worker"] = r["worker"].decode(errors="replace")
-            out["policy"] = self.policy_names[int(r["policy"])]
-            return out
+        return self.records([row])[0]
+
+    def records(self, rows: Sequence[int]) -> list[dict[str, Any]]:
+        """Stored rows with their per-token arrays and decoded metadata, in the order asked.
+
+        Rows close together (`SPAN_GAP_ROWS`) are read as one span: one read of the row table
+        and one of each data dataset per span, whatever its length. One read per row and
+        dataset cost milliseconds a row, and a batch of 256 read back took a second."""
+        wanted = np.unique(np.asarray(rows, np.int64))
+        out: dict[int, dict[str, Any]] = {}
+        with self._damage(f"{_row_range(wanted)} unreadable"):
+            for lo, hi in _spans(wanted, SPAN_GAP_ROWS):
+                table = self.file["rows"][lo:hi]
+                if len(table) != hi - lo:
+                    raise ShardCorrupt(self.path, f"row {hi - 1} asked for, the row table has {lo + len(table)}")
+                t0 = int(table["offset"][0])
+                t1 = int(table["offset"][-1]) + int(table["length"][-1])
+                m0 = int(table["meta_offset"][0])
+                m1 = int(table["meta_offset"][-1]) + int(table["meta_length"][-1])
+                data = {c: self.file[c][t0:t1] for c in TOKEN_COLUMNS}
+                meta = self.file[META_COLUMN][m0:m1]
+                for row in wanted[(wanted >= lo) & (wanted < hi)]:
+                    out[int(row)] = self._record(table[row - lo], data, t0, meta, m0)
+        return [out[int(r)] for r in rows]
+
+    def _record(self, rec: np.void, data: dict[str, np.ndarray], t0: int, meta: np.ndarray, m0: int
+                ) -> dict[str, Any]:
+        """One row of the table with its slices of a span's data (read from `t0`, `m0`)."""
+        r = {c: _column(rec, c) for c in ROW_COLUMNS}
+        lo, n = int(r["offset"]) - t0, int(r["length"])
+        out: dict[str, Any] = {c: a[lo:lo + n] for c, a in data.items()}
+        if len(out["tokens"]) != n:
+            raise ShardCorrupt(self.path, f"sample {int(r['sample_id'])}: its tokens lie outside the data")
+        mlo, mn = int(r["meta_offset"]) - m0, int(r["meta_length"])
+        out["meta"] = json.loads(meta[mlo:mlo + mn].tobytes() or b"{}")
+        out.update({k: v.item() if hasattr(v, "item") else v for k, v in r.items()})
+        out["worker"] = r["worker"].decode(errors="replace")
+        out["policy"] = self.policy_names[int(r["policy"])]
+        return out
 
     def data(self, columns: tuple[str, ...]) -> dict[str, np.ndarray]:
         """The named token datasets (and `meta_bytes`), as far as the good rows reach: one read
@@ -216,6 +291,19 @@ def _column(table: np.ndarray | np.void, name: str) -> np.ndarray:
     if name in table.dtype.names:
         return table[name]
     return np.full(table.shape, MISSING_DEFAULTS.get(name, 0), ROW_COLUMNS[name])
+
+
+def _spans(rows: np.ndarray, gap: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges covering the sorted, distinct `rows`, split where two are more than `gap` apart."""
+    if not len(rows):
+        return []
+    cuts = np.flatnonzero(np.diff(rows) > gap) + 1
+    return [(int(part[0]), int(part[-1]) + 1) for part in np.split(rows, cuts)]
+
+
+def _row_range(rows: np.ndarray) -> str:
+    """How an error names the rows being read: "row 7", "rows 3..9"."""
+    return f"row {rows[0]}" if len(rows) == 1 else f"rows {rows[0]}..{rows[-1]}" if len(rows) else "no rows"
 
 
 def iter_shards(run_dir: Path) -> Iterator[Path]:

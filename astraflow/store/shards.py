@@ -7,21 +7,40 @@ policies) is refused, `StoreRefused`, before anything is moved. Rows of a torn t
 and counted in `torn_rows`: their commits were never acknowledged, their tasks are handed
 out again. A new active shard is then started (the old ones are
 never written again). Locations are `(shard_index, row)` pairs.
+
+Open shards are bounded (parallel-filesystem manners): at most `max_open_shards` readers are
+kept, least recently used closed first, so a run of thousands of shards needs no more file
+descriptors than that, at recovery and while serving. An error on opening or reading a shard
+is classified (reader.py): damage (`ShardCorrupt`) is quarantined; a shard unreadable to
+this user is refused (`StoreRefused`) and one that vanished is `ShardUnavailable` "missing":
+nothing is moved; a lock held by another process and a transient error of the operating
+system (too many open files, EIO, ESTALE, ...) are tried again `OPEN_ATTEMPTS` times with
+doubling waits, after giving back descriptors when they ran out, and if they persist the
+rank stops (`ShardUnavailable`), moving nothing, and its restart tries again. So only a shard
+proven damaged is ever quarantined.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
+import time
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 
 from astraflow.store.errors import StoreRefused
-from astraflow.store.reader import ShardCorrupt, ShardReader
+from astraflow.store.reader import ShardCorrupt, ShardReader, ShardUnavailable
 from astraflow.store.writer import RowBatch, ShardWriter, StoreOptions, list_shards, shard_index, shard_name
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRIED = ("transient", "locked")  # kinds of `ShardUnavailable` tried again (a lock: its holder may be exiting)
+OPEN_ATTEMPTS = 6  # tried again after 0.05, 0.1, 0.2, 0.4 and 0.8 s
+FIRST_RETRY_S = 0.05
 
 
 class ShardStore:
@@ -32,7 +51,8 @@ class ShardStore:
         self.opts = opts
         self.quarantined: list[str] = []
         self.torn_rows: dict[str, int] = {}  # shard name -> rows of a torn tail, ignored
-        self._readers: dict[int, ShardReader] = {}
+        self._readers: OrderedDict[int, ShardReader] = OrderedDict()  # the least recently used first
+        self.retries = 0  # transient errors tried again (status: store.retries)
         self._writer: ShardWriter | None = None
         self._writer_index = -1
         self._writer_reader: ShardReader | None = None
@@ -49,18 +69,17 @@ class ShardStore:
         in the config), a newer schema, unreadable to this user — raises `StoreRefused` and
         leaves every file where it is. Quarantine is for damaged files only: a renamed policy
         once quarantined every shard, and restoring the config did not bring them back."""
-        opened: list[tuple[Path, ShardReader | None, str]] = []  # (shard, reader, why it is damaged)
+        opened: list[tuple[Path, bool, str]] = []  # (shard, readable, why it is damaged)
         for path in list_shards(self.dir):
             if damaged and path.name in damaged:
-                opened.append((path, None, damaged[path.name]))
+                opened.append((path, False, damaged[path.name]))
                 continue
             try:
-                reader = ShardReader(path, locking=self.opts.locking, writer_alive=False)
+                reader = self._with_reader(shard_index(path), lambda r: r)
             except ShardCorrupt as e:
-                opened.append((path, None, e.why))
+                opened.append((path, False, e.why))
                 continue
-            self._readers[shard_index(path)] = reader  # closed by close(), whatever happens next
-            opened.append((path, reader, ""))
+            opened.append((path, True, ""))
             if reader.policy_names != self.policy_names[: len(reader.policy_names)]:
                 raise StoreRefused(
                     f"{path} stores policies {list(reader.policy_names)} but the run's config names "
@@ -69,24 +88,24 @@ class ShardStore:
                     f"policies. Nothing was moved")
         return self._recovered(opened)
 
-    def _recovered(self, opened: list[tuple[Path, ShardReader | None, str]]
+    def _recovered(self, opened: list[tuple[Path, bool, str]]
                    ) -> Iterator[tuple[int, ShardReader, dict[str, np.ndarray]]]:
-        for path, reader, why in opened:
+        for path, readable, why in opened:
+            idx = shard_index(path)
             try:
-                if reader is None:
+                if not readable:
                     raise ShardCorrupt(path, why)
-                rows = reader.rows()
-                reader.verify()
+                reader, rows = self._with_reader(idx, lambda r: (r, r.rows()))
+                self._with_reader(idx, ShardReader.verify)
             except ShardCorrupt as e:
-                if reader is not None:
-                    self._readers.pop(shard_index(path)).close()
+                self._drop(idx)
                 self._quarantine(path, e.why)
                 continue
             if reader.torn:
                 self.torn_rows[path.name] = reader.torn
                 log.warning("shard %s: its last %d rows point at nothing (a write cut short, never acknowledged): "
                             "ignored; the %d rows before them are kept", path.name, reader.torn, reader.n_rows)
-            yield shard_index(path), reader, rows
+            yield idx, reader, rows
 
     def _quarantine(self, path: Path, why: str) -> None:
         qdir = self.dir / "quarantine"
@@ -126,16 +145,69 @@ class ShardStore:
         return self._writer.path.name if self._writer else None
 
     # ----------------------------------------------------------------- read
-    def read(self, loc: tuple[int, int]) -> dict[str, Any]:
-        idx, row = loc
+    def read(self, locs: list[tuple[int, int]]) -> list[dict[str, Any]]:
+        """The records at `locs`, in order: one batched read per shard (`ShardReader.records`)."""
+        by_shard: dict[int, list[int]] = {}
+        for idx, row in locs:
+            by_shard.setdefault(idx, []).append(row)
+        found = {}
+        for idx, rows in by_shard.items():
+            records = self._with_reader(idx, lambda r: r.records(rows))
+            found.update(((idx, row), rec) for row, rec in zip(rows, records))
+        return [found[loc] for loc in locs]
+
+    @property
+    def open_shards(self) -> int:
+        """Shards held open for reading (at most `max_open_shards`; the active one's own reader aside)."""
+        return len(self._readers)
+
+    def _with_reader(self, idx: int, action: Callable[[ShardReader], T]) -> T:
+        """`action` on shard `idx`'s reader, opening it if need be; a transient error is tried
+        again (on a fresh handle: the old one may be what went stale) with doubling waits."""
+        wait, waited = FIRST_RETRY_S, 0.0
+        for attempt in range(1, OPEN_ATTEMPTS + 1):
+            try:
+                return action(self._reader(idx))
+            except ShardUnavailable as e:
+                self._drop(idx)
+                if e.kind not in RETRIED:
+                    raise
+                if attempt == OPEN_ATTEMPTS:
+                    raise ShardUnavailable(e.path, e.kind, e.errno, e.what,
+                                           f"tried {attempt} times in {waited:.2f}s, the rank stops and its "
+                                           f"restart tries again; ") from None
+                self.retries += 1
+                if e.errno in (errno.EMFILE, errno.ENFILE):  # give descriptors back before trying again
+                    self._evict(max(1, len(self._readers) // 2))
+                log.warning("%s; trying again in %.2fs", e, wait)
+                time.sleep(wait)
+                waited, wait = waited + wait, wait * 2
+        raise AssertionError("unreachable")
+
+    def _reader(self, idx: int) -> ShardReader:
         if self._writer is not None and idx == self._writer_index:
             if self._writer_reader is None or self._writer_reader.file is not self._writer.file:
                 self._writer_reader = ShardReader(self._writer.path, file=self._writer.file)
-            return self._writer_reader.trajectory(row)
+            return self._writer_reader
         reader = self._readers.get(idx)
-        if reader is None:
-            reader = self._readers[idx] = ShardReader(self.dir / shard_name(idx), locking=self.opts.locking)
-        return reader.trajectory(row)
+        if reader is not None:
+            self._readers.move_to_end(idx)
+            return reader
+        # no writer is at any shard but the active one: a bad checksum is damage at once (swmr.py)
+        reader = ShardReader(self.dir / shard_name(idx), locking=self.opts.locking, writer_alive=False)
+        self._readers[idx] = reader
+        self._evict(len(self._readers) - self.opts.max_open_shards)
+        return reader
+
+    def _evict(self, n: int) -> None:
+        """Close the `n` least recently used readers."""
+        for _ in range(min(n, len(self._readers))):
+            self._readers.popitem(last=False)[1].close()
+
+    def _drop(self, idx: int) -> None:
+        reader = self._readers.pop(idx, None)
+        if reader is not None:
+            reader.close()
 
     def close(self, drop_staged: bool = False) -> None:
         if self._writer is not None:

@@ -47,6 +47,7 @@ class StoreOptions:
     chunk_tokens: int = 1 << 16
     locking: bool = True
     fsync: bool = False
+    max_open_shards: int = 64  # readers kept open (least recently used closed first)
 
 
 def shard_name(index: int) -> str:

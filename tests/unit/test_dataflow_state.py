@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 
+import h5py
 import numpy as np
 import pytest
 
 from astraflow.bench.payload import random_trajectory
+from astraflow.dataflow import space
 from astraflow.dataflow.state import DataflowState
 from astraflow.dataflow.workers import FORGET_AFTER_S
 from astraflow.launch import components
@@ -510,6 +513,61 @@ def test_the_served_ledger_survives_a_restart(tmp_path):
     assert sorted(state.handle(m.Batch("policy", 2, 8)).sample_ids.tolist()) == sorted(buf.served[2])
     assert not set(buf.served[2]) & set(ids)
     state.close()
+
+
+def test_reading_back_a_batch_costs_a_few_reads_however_many_samples_it_holds(tmp_path, monkeypatch):
+    """Samples past `payload_cache_mb` were read back one row at a time (seven HDF5 reads
+    each: a batch of 256 took a second inside the rank's one thread); now a batch of nearby
+    rows costs one read per dataset, and every sample still comes back as it was sent."""
+    run = make_run(tmp_path, ["tasks.group_size=4", "dataflow.payload_cache_mb=0", "policies.0.buffer_capacity=1024"])
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    w = register(state, capacity=64)
+    sent = {}
+    for task in state.handle(m.Lease(w, 64)).tasks:
+        batch = group(task.task_id, [0, 1, 0, 1], tokens=12)
+        sids = state.handle(m.Commit(w, task.task_id, batch)).sample_ids
+        sent.update({sid: batch.trajectory(i) for i, sid in enumerate(sids)})
+    state.flush()
+    assert state.counters["payload_not_cached"] == 256
+    reads = []
+    real = h5py.Dataset.__getitem__
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", lambda ds, key: reads.append(ds.name) or real(ds, key))
+
+    def serve(step: int, n: int) -> int:
+        reads.clear()
+        reply = state.handle(m.Batch("policy", step, n, 0, 1, 0))
+        for i, sid in enumerate(reply.sample_ids.tolist()):
+            got, want = reply.trajectories.trajectory(i), sent[sid]
+            assert got.tokens.tolist() == want.tokens.tolist() and got.meta == want.meta
+        state.handle(m.Consumed("policy", step, reply.sample_ids.tolist()))
+        return len(reads)
+
+    few, many = serve(1, 8), serve(2, 248)
+    assert many == few <= 8, f"{few} reads for 8 samples, {many} for 248"
+    state.close()
+
+
+@pytest.mark.parametrize("plenty", [True, False], ids=["plenty of room", "close to full"])
+def test_free_space_is_measured_once_a_second_while_there_is_plenty(env, monkeypatch, plenty):
+    """statfs asks every storage target of a parallel filesystem, and the rank called it at
+    every flush (hundreds a second under load); close to full it still measures every time."""
+    run, state, clock = env
+    if not plenty:
+        monkeypatch.setattr(space, "HEADROOM", 1 << 62)
+    calls = []
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: calls.append(path) or real(path))
+    w = register(state, capacity=300)
+    for task in state.handle(m.Lease(w, 300)).tasks:  # 300 flushes in 3 s, each with a commit
+        clock.t += 0.01
+        state.handle(m.Commit(w, task.task_id, group(task.task_id, [0, 1, 0, 1])))
+        state.flush()
+    if plenty:
+        assert 2 <= len(calls) <= 3  # one a second
+    else:
+        assert len(calls) == 300
+    assert state.handle(m.Status()).status["store"]["free_space_checks"] == len(calls) + 1  # + recovery's flush
 
 
 def test_registration_cost_does_not_grow_with_the_workers_registered(tmp_path):

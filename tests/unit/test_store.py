@@ -18,7 +18,7 @@ def test_round_trip(tmp_path, compression):
     batches = [make_batch(0, 4), make_batch(4, 4)]
     locs = [store.append(b) for b in batches]
     store.flush()
-    rec = store.read(locs[1][2])  # sample 6
+    (rec,) = store.read([locs[1][2]])  # sample 6
     assert rec["sample_id"] == 6 and rec["policy"] == "solver" and rec["meta"] == {"i": 6} and rec["guided"] == 1
     np.testing.assert_array_equal(rec["tokens"], batches[1].tokens["tokens"][100:150])
     np.testing.assert_array_equal(rec["token_policy"], batches[1].tokens["token_policy"][100:150])
