@@ -23,12 +23,27 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from astraflow.protocol.messages import BatchReply
 from astraflow.trainer.batch import TokenBatch, micro_batches
 from astraflow.trainer.loss import LossSums, decoupled_ppo_loss
 from astraflow.trainer.scoring import Scores
 
+
+
+def compute_autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Autocast in the compute dtype (off in fp32): what each backend's `autocast` returns."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def summed(value: float, world: int, device: torch.device, group: Any = None) -> float:
+    """`value` summed over the `world` ranks of `group` (the default group when None)."""
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return float(t.item())
 
 class Steppable(Protocol):
     tcfg: Any  # config.schema.TrainerConfig

@@ -17,7 +17,6 @@ import contextlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from astraflow import hardware
@@ -26,7 +25,7 @@ from astraflow.protocol.messages import BatchReply
 from astraflow.trainer.batch import TokenBatch
 from astraflow.trainer.checkpoint import commit_file
 from astraflow.trainer.scoring import PolicyScorer, Scores
-from astraflow.trainer.step import train_step
+from astraflow.trainer.step import compute_autocast, summed, train_step
 
 
 class TorchBackend:
@@ -57,14 +56,10 @@ class TorchBackend:
         return self.world
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        return compute_autocast(self.device, self.dtype)
 
     def data_sum(self, value: float) -> float:
-        if self.world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return float(t.item())
+        return summed(value, self.world, self.device)
 
     def scores(self, batch: TokenBatch, train: bool) -> Scores:
         return self.ddp(batch) if train else self.scorer(batch)

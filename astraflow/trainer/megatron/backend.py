@@ -43,7 +43,7 @@ from astraflow.trainer.megatron.mapping import table, to_hf, to_megatron
 from astraflow.trainer.megatron.scoring import score
 from astraflow.trainer.megatron.spec import ModelSpec
 from astraflow.trainer.scoring import Scores
-from astraflow.trainer.step import train_step
+from astraflow.trainer.step import compute_autocast, summed, train_step
 
 
 def read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -94,14 +94,10 @@ class MegatronBackend:
     # ---------------------------------------------------------------- the step (trainer/step.py)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        return compute_autocast(self.device, self.dtype)
 
     def data_sum(self, value: float) -> float:
-        if self.data_world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-        return float(t.item())
+        return summed(value, self.data_world, self.device, parallel_state.get_data_parallel_group())
 
     def scores(self, batch: TokenBatch, train: bool) -> Scores:
         return score(self.model, batch, self.temperature, self.spec.vocab, self.tcfg.logprob_chunk_tokens, self.ref,
