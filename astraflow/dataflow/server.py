@@ -165,7 +165,7 @@ class DataflowServer:
             self.parked[key] = (identity, client_id, seq, request)
             self.state.waits[request.policy].start(self.state.clock())
             return
-        if isinstance(request, m.Batch):
+        if isinstance(request, m.Batch) and not isinstance(reply, m.Error):  # an Error may name no policy of ours
             self.state.waits[request.policy].stop(self.state.clock())
         self._reply(identity, client_id, seq, reply)
 

@@ -16,7 +16,6 @@ def test_rank_keeps_serving_a_correct_client_under_fuzz_and_ignores_strangers():
     result = run_bench(seconds=60, max_messages=200_000, seed=seed)
     print({k: result[k] for k in ("seed", "messages_sent", "seconds", "handled_or_refused_per_s")})
     assert result["messages_sent"] >= 200_000 or result["seconds"] >= 60, result
-    assert result["rank_alive"], result
     correct = result["correct_client"]
     assert correct["n_failures"] == 0 and correct["commits"] > 0, correct
     assert correct["p99_ms"] < 500, correct  # bounded: a correct client is not starved by the noise
