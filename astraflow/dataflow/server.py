@@ -63,10 +63,10 @@ class DataflowServer:
         else:
             self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        # batch requests waiting for samples, one per (policy, step, rank): a newer one replaces
-        # the older; the state machine bounds steps and ranks, so a policy has at most
-        # trainer.world x STEPS_AHEAD of them, however many a peer sends
-        self.parked: dict[tuple[str, int, int], tuple[bytes, bytes, int, m.Batch]] = {}
+        # batch requests waiting for samples, one per (policy, step, rank, member): a newer one
+        # replaces the older; the state machine bounds steps, ranks and members, so a policy has
+        # at most trainer.world x STEPS_AHEAD of them, however many a peer sends
+        self.parked: dict[tuple[str, int, int, int], tuple[bytes, bytes, int, m.Batch]] = {}
         self.outbox: list[list[bytes]] = []
         self.running = True
 
@@ -161,7 +161,7 @@ class DataflowServer:
     def _dispatch(self, identity: bytes, client_id: bytes, seq: int, request: Any) -> None:
         reply = self._handle(request, self.state.clock())
         if reply is None:
-            key = (request.policy, request.step, request.rank)
+            key = (request.policy, request.step, request.rank, request.member)
             self.parked[key] = (identity, client_id, seq, request)
             self.state.waits[request.policy].start(self.state.clock())
             return

@@ -583,10 +583,11 @@ class DataflowState:
                 return None
             # journalled: after a restart of the rank the trainer acknowledges exactly these
             self.journal.append("served", policy=req.policy, step=req.step, ids=ids)
-        if replay:
+        first = req.rank == 0 and req.member == 0  # one request per step: the others of its replica ask the same
+        if replay and req.member == 0:
             buf.counts["replayed"] += len(ids)
         infos = [buf.samples[sid] for sid in ids[req.rank::req.world]]
-        generated_mean, generated_count = buf.generated_reward() if req.rank == 0 and not replay else (0.0, 0)
+        generated_mean, generated_count = buf.generated_reward() if first and not replay else (0.0, 0)
         return m.BatchReply(
             req.step, replay, self._payloads(infos),
             sample_ids=np.array([i.sample_id for i in infos], np.int64),
@@ -599,15 +600,20 @@ class DataflowState:
     def _check_batch(self, req: m.Batch, buf: PolicyBuffer) -> None:
         """Counts, steps and versions within what the rank knows: one request for n=10**6
         parked forever and was retried every turn, one for version 2**62 dropped the whole
-        buffer as stale. The server parks one request per (policy, step, rank), so at most
-        trainer.world x STEPS_AHEAD per policy."""
-        most = max(buf.capacity, self.cfg.trainer_for(req.policy).batch_size)
-        world = self.cfg.trainer.world
+        buffer as stale. The server parks one request per (policy, step, rank, member), so at
+        most trainer.world x STEPS_AHEAD per policy."""
+        t = self.cfg.trainer_for(req.policy)
+        most = max(buf.capacity, t.batch_size)
+        replica = t.tp * t.pp
+        world = t.world // replica
         if not 1 <= req.n <= most:
             raise RequestError("bad_request", f"n {req.n}: expected 1 .. {most} (buffer_capacity, batch_size)")
         if not 1 <= req.world <= world or not 0 <= req.rank < req.world:
             raise RequestError("bad_request", f"rank {req.rank} of world {req.world}: expected 0 <= rank < world "
-                                              f"<= trainer.world ({world})")
+                                              f"<= trainer.world / (tp x pp) ({world})")
+        if not 0 <= req.member < replica:
+            raise RequestError("bad_request", f"member {req.member}: expected 0 .. {replica - 1} (tp x pp ranks per "
+                                              f"model replica)")
         newest = max(self.weights.latest(req.policy)[0], 0) + 1
         if not 0 <= req.version <= newest:
             raise RequestError("bad_request", f"version {req.version}: expected 0 .. {newest}, one past the newest "

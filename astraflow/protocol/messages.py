@@ -25,8 +25,9 @@ import numpy as np
 from astraflow.protocol.wire import array_field
 
 # 2: lease and commit replies carry `latest`; 3: `Stopped`; 4: signed header + body frames; 5: chat tasks;
-# 6: `Published` says whether a version is a delta and on which version it depends (`full`, `base`)
-PROTOCOL_VERSION = 6
+# 6: `Published` says whether a version is a delta and on which version it depends (`full`, `base`);
+# 7: `Batch.member`
+PROTOCOL_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -213,9 +214,12 @@ class Batch:
     policy: str
     step: int  # the step this batch will be trained in (resume_step + 1, + 2, ...)
     n: int  # samples in the whole step (all ranks together)
-    rank: int = 0
-    world: int = 1
+    rank: int = 0  # the asking rank's data-parallel rank: it is dealt the step's rows rank::world
+    world: int = 1  # data-parallel ranks (trainer.world / (tp x pp))
     version: int = 0  # the trainer's current weight version (for the staleness bound)
+    # which rank of one model replica (its tensor- and pipeline-parallel group, tp x pp ranks)
+    # asks: every member of a replica is served the same rows
+    member: int = 0
 
 
 @dataclass(frozen=True)

@@ -625,3 +625,30 @@ def test_an_unreadable_model_config_does_not_stop_commits(env, caplog):
     assert [r.getMessage() for r in caplog.records].count(
         f"{run.path / 'model' / 'config.json'}: no positive integer vocab_size; until it is readable, token ids "
         f"are only checked to be >= 0") == 1
+
+
+def test_the_ranks_of_a_model_replica_are_served_the_same_rows(tmp_path):
+    """With tp x pp > 1 every rank of a model replica asks for its replica's share
+    (`Batch(rank = data-parallel rank, world = replicas, member)`): the two members of a
+    replica get the same rows, the two replicas disjoint halves of the step; the generated
+    reward goes to one request of the step however the members' requests arrive; a member or
+    a data-parallel world beyond the layout is refused."""
+    run = make_run(tmp_path, ["tasks.group_size=4", "trainer.backend=megatron", "trainer.world=4", "trainer.tp=2"])
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    w = register(state)
+    for t in state.handle(m.Lease(w, 2)).tasks:
+        state.handle(m.Commit(w, t.task_id, group(t.task_id, [0, 1, 0, 1])))
+    state.handle(m.Ready(m.PROTOCOL_VERSION, "policy", 0, world=4))
+    # member 1 of replica 0 asks first
+    served = {(rank, member): state.handle(m.Batch("policy", 1, 8, rank, 2, 0, member))
+              for rank, member in ((0, 1), (1, 1), (0, 0), (1, 0))}
+    ids = {k: r.sample_ids.tolist() for k, r in served.items()}
+    assert ids[0, 0] == ids[0, 1] and ids[1, 0] == ids[1, 1] and len(ids[0, 0]) == len(ids[1, 0]) == 4
+    assert len(set(ids[0, 0]) | set(ids[1, 0])) == 8
+    assert {k: r.generated_count for k, r in served.items()} == {(0, 1): 0, (1, 1): 0, (0, 0): 8, (1, 0): 0}
+    for bad in (m.Batch("policy", 1, 8, 0, 2, 0, member=2), m.Batch("policy", 1, 8, 3, 4, 0)):
+        assert state.handle(bad).code == "bad_request"
+    step = [i for pair in zip(ids[0, 0], ids[1, 0]) for i in pair]  # dealt rank::world: interleaved back
+    assert state.handle(m.Consumed("policy", 1, step)) == m.Ok()
+    state.close()
