@@ -228,21 +228,23 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
 
 
 def _check_trainer_shapes(cfg: Config, where: _Where) -> None:
-    """A step's batch is dealt to the group's ranks evenly, and each rank's share cut into
-    `minibatches`: a batch that does not divide would leave ranks waiting on each other."""
+    """A step's batch is dealt to the group's data-parallel ranks evenly (the tp x pp ranks
+    of one model replica train on the same rows), and each one's share cut into `minibatches`:
+    a batch that does not divide would leave ranks waiting on each other."""
     world = cfg.trainer.world
     if world < 1:
         raise ConfigError(f"{where.at('trainer.world')}: trainer.world: expected >= 1, got {world}")
     _check_parallel(cfg, where)
+    data = world // (cfg.trainer.tp * cfg.trainer.pp)
     for p in cfg.policies:
         t = cfg.trainer_for(p.name)
         key = f"policies.{p.name}.batch_size" if p.batch_size is not None else "trainer.batch_size"
-        if t.batch_size < 1 or t.batch_size % world:
-            raise ConfigError(f"{where.at(key)}: {key}: {t.batch_size} samples do not divide across trainer.world="
-                              f"{world} ranks; expected a multiple of {world}")
-        if t.minibatches < 1 or t.batch_size // world < t.minibatches:
-            raise ConfigError(f"{where.at(key)}: {key}: each rank's {t.batch_size // world} samples cannot make "
-                              f"minibatches={t.minibatches}; expected at least one sample per minibatch")
+        if t.batch_size < 1 or t.batch_size % data:
+            raise ConfigError(f"{where.at(key)}: {key}: {t.batch_size} samples do not divide across {data} "
+                              f"data-parallel ranks (trainer.world / (tp x pp)); expected a multiple of {data}")
+        if t.minibatches < 1 or t.batch_size // data < t.minibatches:
+            raise ConfigError(f"{where.at(key)}: {key}: each data-parallel rank's {t.batch_size // data} samples "
+                              f"cannot make minibatches={t.minibatches}; expected at least one sample per minibatch")
     if cfg.trainer.max_tokens_per_microbatch < 0 or cfg.trainer.logprob_chunk_tokens < 1:
         raise ConfigError(f"{where.at('trainer')}: trainer: expected max_tokens_per_microbatch >= 0 (0: no limit) "
                           f"and logprob_chunk_tokens >= 1")

@@ -308,9 +308,9 @@ class TrainerConfig:
     minibatches: int = 1  # optimizer steps per training step (each rank's share cut this many times)
     checkpoint_every: int = 10  # steps between checkpoints (a restarted trainer resumes from the last)
     world: int = 1  # trainer ranks per policy: tp x pp x dp
-    # megatron: tensor-parallel ranks, which must divide the attention and kv heads, and
-    # pipeline stages, which must divide the layers. Runs take 1 and 1 for now (tp > 1 runs in
-    # the backend's tests only; pp > 1 is not built); the torch backend has 1 and 1.
+    # megatron: tensor-parallel ranks, which must divide the attention and kv heads (the tp
+    # ranks of a model replica train on the same rows), and pipeline stages, which must divide
+    # the layers (pp > 1 is not built yet); the torch backend has 1 and 1.
     tp: int = 1
     pp: int = 1  # see tp
     dp: int = 0  # data-parallel replicas; 0: world / (tp x pp)

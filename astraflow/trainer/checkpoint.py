@@ -40,9 +40,14 @@ def commit_file(tmp: Path, final: Path) -> Path:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
+    fsync_dir(final.parent)
+    return final
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames in directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return final

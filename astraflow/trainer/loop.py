@@ -1,7 +1,9 @@
 """`astraflow train --policy P`: one policy's trainer — the part every backend shares.
 
 Per step: pull the step's batch from the dataflow rank (blocking; a replayed step after a
-restart gets the same samples), let the backend train on it (`Backend.train_step`), publish
+restart gets the same samples; each rank asks for its model replica's share, `Batch(rank =
+data-parallel rank, world = replicas, member)`, so the tp x pp ranks of one replica train on
+the same rows), let the backend train on it (`Backend.train_step`), publish
 weights version = step (rank 0, filesystem channel, in the training dtype: a full version or
 a sparse delta against the previous one, `weights/publisher.py`; in a local run also
 broadcast to the policy's workers, `weights/collective.py`), announce it, then
@@ -16,6 +18,14 @@ its state; a restarted trainer resumes from the newest checkpoint and tells the 
 rank (`Ready(resume_step)`), which re-serves exactly the steps after it. Version v of the
 weights is the model after step v (v0 = the base model).
 
+In a group of several ranks, the backend's `hf_state_dict` and `save` are called on every
+rank in the same order (collectives where the model is sharded: the megatron backend with
+tp > 1); only rank 0 writes weights, talks to the dataflow rank about `Ready`, `Published`
+and `Consumed`, and records metrics. Before training a step the ranks agree that all of
+them have its batch: one stopped by a signal (or told the samples are exhausted) while the
+others hold theirs stops them all at the same step, so that the stop checkpoint, itself a
+collective, is taken by every rank.
+
 Backends (`BACKENDS`, an explicit table; `trainer.backend`) own the model: loading, the
 optimizer step on a batch, their checkpoint state, and the Hugging Face view published to
 the engines. Leasing, `Ready`/`Consumed`, checkpoint bookkeeping, publishing and metrics
@@ -29,6 +39,7 @@ the buffer, to be trained again (the kill chaos test caught it: 49 of 50 steps i
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from astraflow import hardware
@@ -79,6 +91,10 @@ METRIC_FIELDS = ("step", "time", "reward_mean", "reward_trained", "generated", "
 
 class TrainerStopped(Exception):
     """A stop signal arrived while waiting for a batch."""
+
+
+# what a rank has after asking for a step's batch; the group takes the largest (`_agree`)
+HAS_BATCH, EXHAUSTED, STOPPED = 0, 1, 2
 
 
 class Trainer:
@@ -134,8 +150,13 @@ class Trainer:
             self.client.abandon(seq)
             self.client.reconnect(read_rendezvous(self.run.path)["address"])
 
-    def publish(self, step: int) -> m.Published:
-        pub = self.publisher.publish(self.backend.hf_state_dict(), step)
+    def publish(self, step: int) -> m.Published | None:
+        """Every rank gives its part of the weights (a collective where they are sharded);
+        rank 0 writes and broadcasts them and returns the announcement, the others None."""
+        weights = self.backend.hf_state_dict()
+        if self.rank != 0:
+            return None
+        pub = self.publisher.publish(weights, step)
         log.info("published v%d (%s, %d bytes, %d of %d elements changed) in %.0f ms", step, pub.manifest.kind,
                  pub.bytes_written, pub.manifest.changed, pub.manifest.elements, pub.seconds * 1e3)
         sent = self.channel.send(self.publisher.last, pub.manifest) if self.channel is not None else None
@@ -149,36 +170,46 @@ class Trainer:
         version; if they are intact, the next version is a delta against them."""
         if self.step == 0:
             return
-        try:
-            weights, manifest = load_version(self.run.path / "weights", self.policy, self.step)
-        except WeightsError as e:
-            log.error("republishing v%d from the checkpoint: %s", self.step, e)
-            self.call(self.publish(self.step))
-            return
-        self.publisher.adopt(weights, newest_dir(self.run.path / "weights" / self.policy, self.step))
+        damaged: list[str | None] = [None]  # rank 0 reads the version; the group learns what it found
+        if self.rank == 0:
+            try:
+                weights, manifest = load_version(self.run.path / "weights", self.policy, self.step)
+                self.publisher.adopt(weights, newest_dir(self.run.path / "weights" / self.policy, self.step))
+            except WeightsError as e:
+                damaged = [str(e)]
+        if self.world > 1:
+            dist.broadcast_object_list(damaged, src=0)
+        if damaged[0] is not None:
+            log.error("republishing v%d from the checkpoint: %s", self.step, damaged[0])
+            published = self.publish(self.step)
+            if published is not None:
+                self.call(published)
 
     def run_loop(self) -> None:
+        self.republish_if_damaged()
         if self.rank == 0:  # one Ready per group: a second one would hand back what rank 0 was served
-            self.republish_if_damaged()
             ready = self.call(m.Ready(m.PROTOCOL_VERSION, self.policy, self.step, hardware=hardware.describe(),
                                       partition=partition(), world=self.world))
             if ready.replay_steps:
                 log.info("dataflow rank will replay steps %s", ready.replay_steps)
         if self.world > 1:
             dist.barrier()
-        while self.step < self.tcfg.steps and not self.stop:
+        while self.step < self.tcfg.steps:
             try:
                 row = self.train_step(self.step + 1)
             except TrainerStopped:
                 break
             if row is None:
                 break
+        # a signal that reached some ranks after their last step: all of them checkpoint, or none
+        self.stop = self._agree(STOPPED if self.stop else HAS_BATCH) == STOPPED
         if self.sinks is not None:
             self.sinks.close()
-        if self.stop and self.rank == 0:
+        if self.stop:
             self.checkpoint(self.step)
-            log.info("stopped by a signal: checkpointed step %d", self.step)
-            self.say_stopped()
+            if self.rank == 0:
+                log.info("stopped by a signal: checkpointed step %d", self.step)
+                self.say_stopped()
         self.client.close()
 
     def say_stopped(self) -> None:
@@ -201,52 +232,87 @@ class Trainer:
                 self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
             self.sinks.text("best_completion", best_completion(batch, self._decode), row["step"])
 
-    def train_step(self, step: int) -> dict | None:
-        t0 = time.perf_counter()
+    def fetch(self, step: int) -> tuple[int, m.BatchReply | None]:
+        """This rank's share of the step's batch: (HAS_BATCH, reply), or (EXHAUSTED | STOPPED, None)."""
+        b = self.backend
+        if self.stop:
+            return STOPPED, None
         try:
-            reply = self.call(m.Batch(self.policy, step, self.tcfg.batch_size, self.rank, self.world, self.step),
-                              interruptible=True)
+            return HAS_BATCH, self.call(m.Batch(self.policy, step, self.tcfg.batch_size, b.data_rank, b.data_world,
+                                                self.step, b.member), interruptible=True)
+        except TrainerStopped:
+            return STOPPED, None
         except RemoteError as e:
             if e.code == "exhausted":
-                log.info("no samples left: stopping at step %d", self.step)
-                return None
+                return EXHAUSTED, None
             raise
+
+    def _agree(self, outcome: int) -> int:
+        """The group's outcome: the largest of its ranks' (a stop or exhaustion stops all)."""
+        if self.world == 1:
+            return outcome
+        flag = torch.tensor([outcome], dtype=torch.int64, device=hardware.device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def train_step(self, step: int) -> dict | None:
+        t0 = time.perf_counter()
+        outcome, reply = self.fetch(step)
+        outcome = self._agree(outcome)
+        if outcome == STOPPED:
+            self.stop = True
+            raise TrainerStopped
+        if outcome == EXHAUSTED:
+            log.info("no samples left: stopping at step %d", self.step)
+            return None
         wait = time.perf_counter() - t0
         lr = lr_at(self.tcfg, step)
         stats = self.backend.train_step(reply, step, lr)
         self.step = step
+        # every rank says what it trained on: the ranks of one model replica name the same rows
+        digest = hashlib.sha256(reply.sample_ids.astype(np.int64).tobytes()).hexdigest()[:16]
+        log.info("rank %d trained step %d on %d samples (ids %s): loss %.9g", self.rank, step,
+                 len(reply.sample_ids), digest, stats["loss"])
         ids = self._all_sample_ids(reply)
-        n = len(reply.sample_ids)
+        n, replicas = len(reply.sample_ids), self.backend.data_world
         row = {"step": step, "time": time.time(), "reward_mean": reply.generated_reward_mean,
                "reward_trained": float(reply.trajectories.reward.mean()), "generated": reply.generated_count,
-               "samples": n * self.world, "tokens": int(reply.trajectories.lengths.sum()) * self.world,
+               "samples": n * replicas, "tokens": int(reply.trajectories.lengths.sum()) * replicas,
                "wait_s": wait, "train_s": time.perf_counter() - t0 - wait, "lr": lr, **stats}
         if self.rank == 0:
             # the metrics row before `Consumed`: killed in between, the step is replayed and its
             # rows merged; killed after `Consumed` with the row unwritten, the step was lost to them
             self.record(row, reply.trajectories)
-            self.call(self.publish(step))
+        published = self.publish(step)  # every rank: a collective where the model is sharded
+        if published is not None:
+            self.call(published)
             self.call(m.Consumed(self.policy, step, ids))
             with open(self.run.path / "metrics" / f"{self.policy}.consumed.jsonl", "a") as ledger:
                 ledger.write(json.dumps({"step": step, "ids": ids}) + "\n")  # the trainer's own ledger
-            if step % self.tcfg.checkpoint_every == 0 or step == self.tcfg.steps:
-                self.checkpoint(step)  # after the acknowledgement: see the invariant above
+        if step % self.tcfg.checkpoint_every == 0 or step == self.tcfg.steps:
+            # after the acknowledgement (see the invariant above): a sharded checkpoint is
+            # committed by rank 0, after its `Consumed`
+            self.checkpoint(step)
         return row
 
     def checkpoint(self, step: int) -> None:
+        """Every rank: the backend writes what it must (rank 0 alone, or each shard)."""
         self.backend.save(self.ckpt_dir, step)
-        prune_checkpoints(self.ckpt_dir)
+        if self.rank == 0:
+            prune_checkpoints(self.ckpt_dir)
 
     def _all_sample_ids(self, reply: m.BatchReply) -> list[int]:
+        """The step's ids, from every model replica (the members of one hold the same)."""
         ids = reply.sample_ids.tolist()
-        if self.world == 1:
+        replicas = self.backend.data_world
+        if replicas == 1:
             return ids
-        gathered: list[list[int]] = [None] * self.world  # type: ignore[list-item]
-        dist.all_gather_object(gathered, ids)
-        # the dataflow rank dealt ids[rank::world]; interleave them back into serving order
+        gathered: list[list[int]] = [None] * replicas  # type: ignore[list-item]
+        dist.all_gather_object(gathered, ids, group=self.backend.data_group)
+        # the dataflow rank dealt ids[rank::world] by data-parallel rank; interleave them back
         out = [None] * sum(len(g) for g in gathered)
         for r, g in enumerate(gathered):
-            out[r::self.world] = g
+            out[r::replicas] = g
         return out
 
 

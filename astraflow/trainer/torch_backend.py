@@ -32,6 +32,8 @@ class TorchBackend:
     def __init__(self, model_dir: Path, cfg: Config, policy: str, rank: int, world: int) -> None:
         self.tcfg = cfg.trainer_for(policy)
         self.world = world
+        # every rank a whole replica: data parallel over the world
+        self.data_rank, self.data_world, self.data_group, self.member = rank, world, None, 0
         self.device = hardware.device()
         self.dtype = hardware.compute_dtype(cfg.model.dtype, self.device)
         self.publish_dtype = self.dtype
@@ -50,10 +52,6 @@ class TorchBackend:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = torch.nn.parallel.DistributedDataParallel(self.scorer, device_ids=ids)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
-
-    @property
-    def data_world(self) -> int:
-        return self.world
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return compute_autocast(self.device, self.dtype)
@@ -77,7 +75,10 @@ class TorchBackend:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
-    def save(self, ckpt_dir: Path, step: int) -> Path:
+    def save(self, ckpt_dir: Path, step: int) -> Path | None:
+        """Rank 0 writes the checkpoint: every rank holds the same model and optimizer state."""
+        if self.data_rank != 0:
+            return None
         ckpt_dir = Path(ckpt_dir)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         tmp = ckpt_dir / f".step-{step}.pt.tmp"

@@ -4,7 +4,9 @@
 one training step (micro-batches, the KL term, gradient clipping) gives the loss, statistics,
 clipped gradients and updated weights of the torch backend on the same batch. (The step is
 one optimizer step; the proximal policy of later minibatches is the shared `trainer/step.py`
-scoring through the same `scores` compared above.)
+scoring through the same `scores` compared above.) The trained model is checkpointed (a
+collective: one file per tensor-parallel rank in `step-<N>/`), moved by another step, and
+loaded back bit for bit.
 
 Updated weights agree within 1e-5 wherever the gradient is above 1e-7: AdamW's first
 update is lr * g / (|g| + 1e-8), so where |g| is near its eps, fp32 noise in g (the two
@@ -63,6 +65,11 @@ def rank_main(rank: int, world: int, tp: int, store: str, model_dir: str, out: s
     result["stats"] = backend.train_step(served_batch(backend.spec.vocab), 4, LR)
     result["after"] = backend.hf_state_dict()
     result["grad"] = to_hf(backend.gather_shards({k: p.grad for k, p in backend.model.named_parameters()}), backend.spec)
+    ckpt = backend.save(Path(out).parent / "checkpoints", 4)
+    backend.train_step(served_batch(backend.spec.vocab), 5, LR)  # moves the weights away from the checkpoint
+    result["loaded_step"] = backend.load(ckpt)
+    result["reloaded"] = backend.hf_state_dict()
+    result["files"] = sorted(p.name for p in ckpt.iterdir())
     if rank == 0:
         torch.save(result, out)
 
@@ -130,3 +137,6 @@ def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, t
     above_eps = max((d * (ref["grad"][k].abs() > 1e-7)).max().item() for k, d in diff.items())
     anywhere = max(d.max().item() for d in diff.values())
     assert above_eps <= 1e-5 and anywhere <= LR / 10, json.dumps({"above_eps": above_eps, "anywhere": anywhere})
+    # the checkpoint: a file per tensor-parallel rank, loaded back bit for bit
+    assert got["loaded_step"] == 4 and got["files"] == [f"tp{r}-pp0.pt" for r in range(tp)]
+    assert [k for k in got["after"] if not torch.equal(got["reloaded"][k], got["after"][k])] == []

@@ -37,7 +37,7 @@ def test_a_world_that_is_not_tp_pp_dp_is_refused_by_the_config(trainer, match):
     ("{backend: megatron, world: 4, tp: 4}",
      r"trainer\.tp: 4 does not divide the model's 8 attention heads and 2 kv heads \(model\.like qwen2\.5 at size small\)"),
     ("{backend: megatron, world: 3, pp: 3, batch_size: 63}", r"trainer\.pp: 3 does not divide the model's 4 layers"),
-    ("{backend: megatron, world: 2, tp: 2}", r"trainer\.tp: 2: runs with tensor or pipeline parallelism are not built yet"),
+    ("{backend: megatron, world: 2, pp: 2}", r"trainer\.pp: 2: pipeline parallelism is not built yet"),
 ])
 def test_tp_and_pp_must_divide_the_model(trainer, match):
     with pytest.raises(ConfigError, match=match):
@@ -53,8 +53,9 @@ def test_a_model_directory_the_megatron_backend_cannot_carry_is_refused(tmp_path
         check_inputs(config("{backend: megatron}", f"{{path: {model}}}"))
 
 
-def test_data_parallel_megatron_and_the_backends_table():
+def test_data_and_tensor_parallel_megatron_and_the_backends_table():
     check_inputs(config("{backend: megatron, world: 2, dp: 2}"))
+    check_inputs(config("{backend: megatron, world: 4, tp: 2, batch_size: 2}"))  # 2 replicas of 1 sample
     assert sorted(BACKENDS) == ["megatron", "torch"]
     with pytest.raises(ConfigError, match=r"trainer\.backend: 'jax' is not one of \['torch', 'megatron'\]"):
         config("{backend: jax}")

@@ -99,8 +99,8 @@ def test_micro_batches_by_token_budget_give_the_same_update(model_dir):
 
 
 @pytest.mark.parametrize("extra, match", [
-    ("trainer: {world: 3, batch_size: 64}", r"trainer.batch_size: 64 samples do not divide across trainer.world=3"),
-    ("trainer: {world: 2, batch_size: 8, minibatches: 8}", r"each rank's 4 samples cannot make minibatches=8"),
+    ("trainer: {world: 3, batch_size: 64}", r"trainer.batch_size: 64 samples do not divide across 3 data-parallel ranks"),
+    ("trainer: {world: 2, batch_size: 8, minibatches: 8}", r"each data-parallel rank's 4 samples cannot make minibatches=8"),
     ("trainer: {world: 2}\npolicies: [{name: policy, batch_size: 33}]", r"policies.policy.batch_size: 33 samples"),
 ])
 def test_a_batch_that_does_not_divide_across_ranks_is_a_config_error(extra, match):

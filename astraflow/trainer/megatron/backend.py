@@ -16,16 +16,19 @@ not used yet). Forward and backward run under autocast in the compute dtype, as 
 torch backend; `trainer.activation_checkpointing` is Megatron's full recompute.
 
 `hf_state_dict` is the model in HF layout. With tp = 1 every rank holds the whole model and
-rank 0 converts its own; with tp > 1 it gathers the tensor-parallel shards and so must be
-called on every rank of the group (a collective; the loop does not do that yet, so live runs
-keep tp = 1: `launch/inputs.py`). `save`/`load` write and read this rank's parameters and
-optimizer state as `step-<N>.pt` (with tp and pp recorded: a checkpoint loads only into the
-same tensor-parallel layout).
+converts its own; with tp > 1 it gathers the tensor-parallel shards, a collective called on
+every rank of the group (`trainer/loop.py`). `save` is a collective too: a checkpoint is a
+directory `step-<N>/` with one file per rank of the first model replica (`tp<t>-pp<p>.pt`:
+its parameters and optimizer state, with tp and pp recorded: a checkpoint loads only into
+the same tensor-parallel layout), written under a temporary name and renamed by rank 0 once
+every file is there; `load` reads this rank's file.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -37,7 +40,7 @@ from astraflow import hardware
 from astraflow.config.schema import Config
 from astraflow.protocol.messages import BatchReply
 from astraflow.trainer.batch import TokenBatch
-from astraflow.trainer.checkpoint import commit_file
+from astraflow.trainer.checkpoint import commit_file, fsync_dir
 from astraflow.trainer.megatron import model as mm
 from astraflow.trainer.megatron.mapping import table, to_hf, to_megatron
 from astraflow.trainer.megatron.scoring import score
@@ -61,6 +64,7 @@ def read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 class MegatronBackend:
     def __init__(self, model_dir: Path, cfg: Config, policy: str, rank: int, world: int) -> None:
         self.tcfg = cfg.trainer_for(policy)
+        self.rank = rank
         self.tp, self.pp = self.tcfg.tp, self.tcfg.pp
         if self.pp != 1:
             raise ValueError(f"trainer.pp={self.pp}: the megatron backend has no pipeline parallelism yet")
@@ -71,7 +75,11 @@ class MegatronBackend:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         mm.init_parallel(self.tp, self.pp, cfg.run.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.member = self.pp_rank * self.tp + self.tp_rank
+        self.data_rank = parallel_state.get_data_parallel_rank()
         self.data_world = parallel_state.get_data_parallel_world_size()
+        self.data_group = parallel_state.get_data_parallel_group()
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.spec = ModelSpec.of(config)
         self.sharded = {e.megatron for e in table(self.spec) if e.kind != "replicated"}
@@ -149,16 +157,33 @@ class MegatronBackend:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return to_hf(self.gather_shards(mm.parameters(self.model)), self.spec)
 
+    @property
+    def shard_name(self) -> str:
+        return f"tp{self.tp_rank}-pp{self.pp_rank}.pt"
+
     def save(self, ckpt_dir: Path, step: int) -> Path:
+        """A collective: every rank calls it; the first replica's ranks write, rank 0 commits."""
         ckpt_dir = Path(ckpt_dir)
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        tmp = ckpt_dir / f".step-{step}.pt.tmp"
-        torch.save({"model": mm.parameters(self.model), "optim": self.optim.state_dict(), "step": step,
-                    "tp": self.tp, "pp": self.pp}, tmp)
-        return commit_file(tmp, ckpt_dir / f"step-{step}.pt")
+        final, tmp = ckpt_dir / f"step-{step}", ckpt_dir / f".step-{step}.tmp"
+        if self.rank == 0:  # a fresh temporary directory: one left by a group killed mid-save goes
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        if self.data_rank == 0:  # the other replicas hold the same model and optimizer state
+            part = tmp / f".{self.shard_name}.tmp"
+            torch.save({"model": mm.parameters(self.model), "optim": self.optim.state_dict(), "step": step,
+                        "tp": self.tp, "pp": self.pp}, part)
+            commit_file(part, tmp / self.shard_name)
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)  # this step saved before (a replayed step)
+            os.replace(tmp, final)
+            fsync_dir(ckpt_dir)
+        dist.barrier()  # the checkpoint exists on return, on every rank
+        return final
 
     def load(self, path: Path) -> int:
-        state = torch.load(path, weights_only=True, map_location=self.device)
+        state = torch.load(Path(path) / self.shard_name, weights_only=True, map_location=self.device)
         if (state.get("tp"), state.get("pp")) != (self.tp, self.pp):
             raise ValueError(f"{path}: a checkpoint of tp={state.get('tp')}, pp={state.get('pp')}; this trainer "
                              f"has tp={self.tp}, pp={self.pp} (resharding a checkpoint is not built yet)")
