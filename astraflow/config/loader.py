@@ -82,8 +82,18 @@ def parse_typed(tp: type[T], text: str, source: str, overrides: Iterable[str] = 
         where.overrides[_apply_override(data, item, lines)] = item
     obj = _build(tp, data, "", where)
     if isinstance(obj, Config):
+        obj = _derive_world(obj, data)
         _check_semantics(obj, where)
     return obj
+
+
+def _derive_world(cfg: Config, data: dict) -> Config:
+    """`trainer.world` left unset: the ranks the layout needs, tp x pp x max(dp, 1) (1 with
+    the defaults), so that `--set trainer.tp=2` alone starts a tensor-parallel pair."""
+    t = cfg.trainer
+    if "world" in (data.get("trainer") or {}) or min(t.tp, t.pp) < 1 or t.dp < 0:  # (those refused next)
+        return cfg
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, world=t.tp * t.pp * max(t.dp, 1)))
 
 
 def _parse_yaml(text: str, source: str) -> tuple[yaml.Node | None, Any]:

@@ -307,7 +307,7 @@ class TrainerConfig:
     ref_kl: float = 0.0
     minibatches: int = 1  # optimizer steps per training step (each rank's share cut this many times)
     checkpoint_every: int = 10  # steps between checkpoints (a restarted trainer resumes from the last)
-    world: int = 1  # trainer ranks per policy: tp x pp x dp
+    world: int = 1  # trainer ranks per policy: tp x pp x dp (unset: tp x pp x max(dp, 1))
     # megatron: tensor-parallel ranks, which must divide the attention and kv heads (the tp
     # ranks of a model replica train on the same rows), and pipeline stages, which must divide
     # the layers (pp > 1 is not built yet); the torch backend has 1 and 1.

@@ -56,6 +56,9 @@ def test_a_model_directory_the_megatron_backend_cannot_carry_is_refused(tmp_path
 def test_data_and_tensor_parallel_megatron_and_the_backends_table():
     check_inputs(config("{backend: megatron, world: 2, dp: 2}"))
     check_inputs(config("{backend: megatron, world: 4, tp: 2, batch_size: 2}"))  # 2 replicas of 1 sample
+    # trainer.world unset: the ranks the layout needs
+    assert [config(t).trainer.world for t in ("{}", "{backend: megatron, tp: 2}", "{backend: megatron, tp: 2, dp: 4}")] \
+        == [1, 2, 8]
     assert sorted(BACKENDS) == ["megatron", "torch"]
     with pytest.raises(ConfigError, match=r"trainer\.backend: 'jax' is not one of \['torch', 'megatron'\]"):
         config("{backend: jax}")
