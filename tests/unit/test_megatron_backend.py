@@ -1,8 +1,10 @@
 """The megatron trainer backend against the HF model it was loaded from, in real processes
-(tensor parallelism: two ranks over gloo): logprobs equal an HF forward pass (fp32, max
-|diff| <= 1e-5) at tp = 1 and tp = 2, the model gathered back to HF layout is bit-exact, and
-one training step (micro-batches, the KL term, gradient clipping) gives the loss, statistics,
-clipped gradients and updated weights of the torch backend on the same batch. (The step is
+(tensor parallelism: two ranks over gloo; with data parallelism, four): logprobs equal an HF
+forward pass (fp32, max |diff| <= 1e-5) at tp = 1, tp = 2 and tp = 2 x dp = 2, the model
+gathered back to HF layout is bit-exact, and one training step (micro-batches, the KL term,
+gradient clipping) gives the loss, statistics, clipped gradients and updated weights of the
+torch backend on the same batch (with dp = 2 each replica trains on its half of the batch, as
+the dataflow rank deals it, and the statistics are those of the halves together). (The step is
 one optimizer step; the proximal policy of later minibatches is the shared `trainer/step.py`
 scoring through the same `scores` compared above.) The trained model is checkpointed (a
 collective: one file per tensor-parallel rank in `step-<N>/`), moved by another step, and
@@ -16,6 +18,7 @@ Every backend runs in a spawned process: megatron's parallel state and torch.dis
 are process-global, and the test process keeps neither."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 from pathlib import Path
@@ -26,6 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from astraflow.config.loader import parse_config
 from astraflow.models.factory import make_model
+from astraflow.protocol import messages as m
 from astraflow.trainer.batch import TokenBatch
 from astraflow.trainer.megatron.mapping import to_hf
 from astraflow.trainer.torch_backend import TorchBackend
@@ -51,8 +55,18 @@ def score_rows(vocab: int) -> TokenBatch:
     return TokenBatch.of_rows([torch.randint(0, vocab, (n,), generator=g).tolist() for n in (9, 17, 4, 12)])
 
 
+def share(reply: m.BatchReply, rank: int, world: int) -> m.BatchReply:
+    """A data-parallel rank's rows of a served batch, as the dataflow rank deals them (rank::world)."""
+    rows = list(range(rank, len(reply.sample_ids), world))
+    return dataclasses.replace(
+        reply, trajectories=m.TrajectoryBatch.gather([(reply.trajectories, i) for i in rows]),
+        sample_ids=reply.sample_ids[rows], task_ids=reply.task_ids[rows], advantages=reply.advantages[rows],
+        group_mean=reply.group_mean[rows], group_std=reply.group_std[rows])
+
+
 def rank_main(rank: int, world: int, tp: int, store: str, model_dir: str, out: str) -> None:
-    """One rank: score, gather to HF layout, train one step, gather again; rank 0 saves it all."""
+    """One rank: score, gather to HF layout, train one step on its replica's rows, gather again;
+    rank 0 saves it all, with every rank's statistics."""
     import torch.distributed as dist
 
     from astraflow.trainer.megatron.backend import MegatronBackend
@@ -62,11 +76,17 @@ def rank_main(rank: int, world: int, tp: int, store: str, model_dir: str, out: s
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     backend = MegatronBackend(Path(model_dir), config("megatron", tp, world), "policy", rank, world)
     result = {"logp": backend.score(score_rows(backend.spec.vocab)), "hf": backend.hf_state_dict()}
-    result["stats"] = backend.train_step(served_batch(backend.spec.vocab), 4, LR)
+    served = share(served_batch(backend.spec.vocab), backend.data_rank, backend.data_world)
+    stats = backend.train_step(served, 4, LR)
+    result["stats"] = [None] * world
+    if world > 1:
+        dist.all_gather_object(result["stats"], stats)
+    else:
+        result["stats"] = [stats]
     result["after"] = backend.hf_state_dict()
     result["grad"] = to_hf(backend.gather_shards({k: p.grad for k, p in backend.model.named_parameters()}), backend.spec)
     ckpt = backend.save(Path(out).parent / "checkpoints", 4)
-    backend.train_step(served_batch(backend.spec.vocab), 5, LR)  # moves the weights away from the checkpoint
+    backend.train_step(served, 5, LR)  # moves the weights away from the checkpoint
     result["loaded_step"] = backend.load(ckpt)
     result["reloaded"] = backend.hf_state_dict()
     result["files"] = sorted(p.name for p in ckpt.iterdir())
@@ -74,11 +94,13 @@ def rank_main(rank: int, world: int, tp: int, store: str, model_dir: str, out: s
         torch.save(result, out)
 
 
-def run_ranks(tmp_path: Path, model_dir: Path, tp: int) -> dict:
+def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int) -> dict:
     ctx = mp.get_context("spawn")
-    out = tmp_path / f"tp{tp}.pt"
-    procs = [ctx.Process(target=rank_main, args=(r, tp, tp, str(tmp_path / f"store-{tp}"), str(model_dir), str(out)))
-             for r in range(tp)]
+    out = tmp_path / f"tp{tp}-dp{dp}.pt"
+    world = tp * dp
+    procs = [ctx.Process(target=rank_main, args=(r, world, tp, str(tmp_path / f"store-{tp}-{dp}"), str(model_dir),
+                                                 str(out)))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -86,7 +108,7 @@ def run_ranks(tmp_path: Path, model_dir: Path, tp: int) -> dict:
     for p in procs:
         if p.is_alive():
             p.kill()
-    assert [p.exitcode for p in procs] == [0] * tp
+    assert [p.exitcode for p in procs] == [0] * world
     return torch.load(out, weights_only=False)
 
 
@@ -117,9 +139,15 @@ def torch_reference(model_dir):
             "grad": grad}
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, tmp_path, tp):
-    got = run_ranks(tmp_path, model_dir, tp)
+def token_mean(stats: list[dict], key: str) -> float:
+    """A statistic of the data-parallel ranks' shares together: weighted by their trained tokens
+    (`completion_len` is a share's trained tokens per row; each share has the same rows here)."""
+    return sum(s[key] * s["completion_len"] for s in stats) / sum(s["completion_len"] for s in stats)
+
+
+@pytest.mark.parametrize("tp, dp", [(1, 1), (2, 1), (2, 2)])
+def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, tmp_path, tp, dp):
+    got = run_ranks(tmp_path, model_dir, tp, dp)
     ref = torch_reference
     assert (got["logp"] - ref["logp"]).abs().max().item() <= 1e-5
     # HF -> Megatron (tp ranks) -> HF: every tensor bit for bit
@@ -127,8 +155,12 @@ def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, t
     unequal = [k for k in ref["hf"] if not torch.equal(got["hf"][k], ref["hf"][k])]
     assert unequal == []
     # one step: the same loss, statistics and updated weights
-    for key in ("loss", "grad_norm", "entropy", "kl_ref", "clip_frac", "is_weight"):
-        assert got["stats"][key] == pytest.approx(ref["stats"][key], abs=1e-5, rel=1e-5), key
+    # (the members of a replica agree; the replicas' shares together are the batch)
+    replicas = got["stats"][::tp]
+    assert all(got["stats"][r] == got["stats"][r - r % tp] for r in range(tp * dp))
+    for key in ("loss", "entropy", "kl_ref", "clip_frac", "is_weight"):
+        assert token_mean(replicas, key) == pytest.approx(ref["stats"][key], abs=1e-5, rel=1e-5), key
+    assert got["stats"][0]["grad_norm"] == pytest.approx(ref["stats"]["grad_norm"], abs=1e-5, rel=1e-5)
     grad = max((got["grad"][k] - g).abs().max().item() for k, g in ref["grad"].items())
     assert grad <= 1e-6
     moved = max((got["after"][k] - ref["hf"][k]).abs().max().item() for k in ref["hf"])
