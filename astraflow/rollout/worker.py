@@ -59,7 +59,7 @@ from astraflow.rollout.engines import ENGINES, import_library
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.slurm.env import partition, rollout_worker_id
 from astraflow.weights.fs import path_of
-from astraflow.sandbox import Sandbox
+from astraflow.sandbox import Sandbox, hide_in_every_sandbox
 from astraflow.workflows import WORKFLOWS, EpisodeContext, EpisodeError
 from astraflow.workflows.rewards import Scorer
 
@@ -308,6 +308,7 @@ class RolloutWorker:
 
     async def run(self) -> None:
         cfg = self.cfg
+        hide_in_every_sandbox(str(self.rundir.path))  # tools, graders and users' rewards alike: the secret is there
         if self.own_engines:
             t0 = time.perf_counter()
             self.engines = build_engines(self.rundir, self.policies)
@@ -327,7 +328,7 @@ class RolloutWorker:
             reward=Scorer(cfg.tasks.reward, cfg.tasks.reward_timeout_s),
             policy_index={p: i for i, p in enumerate(cfg.policy_names)},
             rng=np.random.default_rng([cfg.run.seed, os.getpid()]), roles=cfg.roles, workflow=cfg.workflow,
-            environment=await self.environment(), tools=Sandbox(hide=(str(self.rundir.path),)))
+            environment=await self.environment(), tools=Sandbox())
         self.client = AsyncClient(wait_rendezvous(self.rundir.path)["address"], self.rundir.read_secret(), timeout_s=10)
         loop = self.loop = asyncio.get_running_loop()
         for policy in self.policies:

@@ -97,6 +97,27 @@ def test_hidden_run_directory_and_its_secret_are_not_there():
         shutil.rmtree(run_dir)
 
 
+def test_a_reward_functions_own_sandbox_hides_what_the_worker_hides(monkeypatch):
+    """`code_tests` builds its own `Sandbox(LIMITS)`: it used to see the run directory a worker's
+    tool sandbox hid, secret included. A worker now hides its run directory in every sandbox."""
+    from astraflow import sandbox
+    from astraflow.workflows.rewards import code_tests
+
+    monkeypatch.setattr(sandbox, "_hidden_everywhere", set())
+    run_dir = Path(tempfile.mkdtemp(prefix="astraflow-sandbox-test-", dir="/var/lib"))
+    try:
+        os.chmod(run_dir, 0o755)
+        (run_dir / "secret").write_text("s3cret")
+        os.chmod(run_dir / "secret", 0o644)
+        completion = f"```python\ndef leak():\n    return open('{run_dir}/secret').read()\n```"
+        row = {"tests": ["assert leak() == 's3cret'"]}
+        assert asyncio.run(code_tests(completion, "", row)) == 1.0  # the control: readable when not hidden
+        sandbox.hide_in_every_sandbox(str(run_dir))
+        assert asyncio.run(code_tests(completion, "", row)) == 0.0
+    finally:
+        shutil.rmtree(run_dir)
+
+
 def test_nothing_written_to_world_writable_host_directories_persists():
     """/run/lock was not covered: a file written there stayed on the host."""
     name = f"astraflow-sandbox-test-{uuid.uuid4().hex}"
