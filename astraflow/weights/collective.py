@@ -224,11 +224,13 @@ class Sender:
         need = sum(p.end - p.start for p in pieces if not p.solo)
         if self.staging.numel() < need:
             self.staging = torch.empty(need, dtype=torch.uint8)
-        at = 0
+        at, current = 0, ("", torch.empty(0, dtype=torch.uint8))  # the large tensor being sent, as bytes
         for p in pieces:
-            if p.solo:
+            if p.solo:  # its chunks come one after another: its bytes are made once (a copy only off the CPU)
+                if current[0] != p.names[0]:
+                    current = (p.names[0], as_bytes(tensors[p.names[0]]))
                 off = spans[p.names[0]][0]
-                yield as_bytes(tensors[p.names[0]])[p.start - off:p.end - off]
+                yield current[1][p.start - off:p.end - off]
                 continue
             region = self.staging[at:at + p.end - p.start]
             for name in p.names:
