@@ -210,12 +210,15 @@ class Sender:
             broadcast(self.group, torch.tensor([manifest.version, len(meta), total], dtype=torch.int64), self.timeout)
             broadcast(self.group, meta, self.timeout)
             pipeline(self.group, self._sources(tensors, spans), self.timeout)
+            return True
         except RuntimeError as e:  # gloo: a peer closed the connection, or the timeout passed
-            log.error("collective weight channel closed after %.1f s sending v%d (%s); versions go over the "
-                      "filesystem from now on", time.perf_counter() - t0, manifest.version, str(e).splitlines()[0])
-            self.group = None
-            return False
-        return True
+            problem = str(e).splitlines()[0]
+        # out of the handler (its traceback held the broadcasts in flight): dropping the group
+        # destroys it, which waits for the other broadcast in flight, under its own timeout
+        self.group = None
+        log.error("collective weight channel closed after %.1f s sending v%d (%s); versions go over the "
+                  "filesystem from now on", time.perf_counter() - t0, manifest.version, problem)
+        return False
 
     def _sources(self, tensors: dict[str, torch.Tensor], spans: dict[str, tuple[int, int]]) -> Iterator[torch.Tensor]:
         """Each piece's bytes as it is about to be sent: a view of a large tensor, or its small
