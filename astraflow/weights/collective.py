@@ -2,8 +2,9 @@
 the rollout workers of its policy over a process group of their own (gloo, CPU tensors).
 
 Never a hang: every operation of the sender runs under `weights.broadcast_timeout_s`; a
-worker that dies or stops mid-broadcast delays the trainer by at most that much, after which
-the sender closes the channel (one log line) and versions go over the filesystem only —
+worker that dies or stops mid-broadcast delays the trainer by about that much at most (the
+other broadcast in flight times out with the first), after which the sender closes the
+channel (one log line, which counts the whole delay) and versions go over the filesystem only —
 which always carries every version too (the collective channel only saves the workers'
 reads). A receiver waits for the next version without a limit (the trainer may train for
 long) but for everything after its header under the timeout; a receiver that fails stops
