@@ -98,7 +98,10 @@ class VLLMEngine:
             self._thread.join(CLOSE_S)
 
     async def _shutdown(self) -> None:
-        self.llm.shutdown()
+        # dropped here, its `__del__` (a second shutdown, which vLLM makes a no-op) runs now,
+        # not at interpreter exit, where it fails on vLLM's already-cleared module globals
+        llm, self.llm = self.llm, None
+        llm.shutdown()
 
     async def _generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> Completion:
         from vllm.inputs import TokensPrompt
