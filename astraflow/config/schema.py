@@ -185,7 +185,9 @@ class WarmupConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    kind: str = choice("hf", "hf", "vllm")  # the rollout engine: Hugging Face transformers or vLLM
+    # the rollout engine: Hugging Face transformers, vLLM (continuous batching), or vLLM's
+    # offline engine in batches (batch-synchronous: the baseline of `astraflow bench rollout`)
+    kind: str = choice("hf", "hf", "vllm", "vllm-batch")
     max_tokens: int = 8  # tokens generated per completion at most
     temperature: float = 1.0  # sampling temperature of rollouts (the evaluation is greedy)
     threads: int = 1  # OpenMP threads per engine process (OMP_NUM_THREADS, unless the environment sets it)
