@@ -247,3 +247,13 @@ def text_run_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def trained_run(tmp_path: Path) -> Path:
     return trained_run_dir(tmp_path)
+
+
+def store_sample(buf, sid: int, task: int = 0, version: int = 0, filtered: bool = False, reward: float = 0.0,
+                 guided: bool = False, weight: float = 1.0, payload: object | None = None) -> None:
+    """One sample into a buffer as the rank's commit path stores it: its columns in the table,
+    then `add` (dataflow/buffers.py)."""
+    ids = np.array([sid], np.int64)
+    buf.samples.put(ids, policy=buf.index, state=0, task_id=task, version_min=version, advantage=0.0,
+                    group_mean=0.0, group_std=1.0, shard=0, row=sid, tokens=1)
+    buf.add(ids, filtered, np.array([reward]), np.array([guided]), weight, None if payload is None else [payload])

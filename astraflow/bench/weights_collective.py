@@ -12,7 +12,11 @@ holds an hf engine of the model in the publish dtype. Per round:
 After each, every member's finish time (wall clock: one machine) is gathered at rank 0, so
 the seconds reported run from the start of the send to a worker's finish. A round's time is
 its slowest worker's; summaries are medians over rounds, p50/p99 of `applied_s` over every
-worker of every round. `efficiency` is raw seconds over channel-received seconds: the share of
+worker of every round. The first `WARMUP` rounds are not counted, as a running job's first
+versions are not its steady state: a receiver allocates its two receive buffers in them (a
+worker holds one version while the next arrives; a fresh buffer costs the kernel's page
+faults, `weights/collective.py`) and the raw buffers are first touched; `first_received_s`
+reports the first round's channel time. `efficiency` is raw seconds over channel-received seconds: the share of
 the raw bandwidth the channel reaches.
 
 Invariant: the version sent is a full one (the channel sends whole tensors); a receiver
@@ -35,6 +39,7 @@ from astraflow.weights.collective import Receiver, Sender, broadcast, layout, op
 from astraflow.weights.manifest import Manifest
 
 SETUP_S = 600.0  # every receiver builds its engine before the first round
+WARMUP = 2  # rounds before the measured ones
 TIMEOUT = datetime.timedelta(seconds=600)
 
 
@@ -57,7 +62,7 @@ def _receiver(store: str, rank: int, world: int, model_dir: str, dtype: str, rou
     rx = Receiver(group, TIMEOUT.total_seconds(), bucket_mb)
     raw = torch.empty(total, dtype=torch.uint8)
     _gather_times(group, [time.time(), 0.0], world)  # ready
-    for _ in range(rounds):
+    for _ in range(WARMUP + rounds):
         broadcast(group, raw, TIMEOUT)
         _gather_times(group, [time.time(), 0.0], world)
         tensors, _, _ = rx.receive()
@@ -93,7 +98,7 @@ def measure_workers(tensors: dict[str, torch.Tensor], manifest: Manifest, model_
             flat = torch.zeros(total, dtype=torch.uint8)
             _gather_times(group, [time.time(), 0.0], world)
             raw_s, received_s, applied_s, install_s = [], [], [], []
-            for _ in range(rounds):
+            for _ in range(WARMUP + rounds):
                 t0 = time.time()
                 broadcast(group, flat, TIMEOUT)
                 done = _gather_times(group, [t0, 0.0], world)[1:]
@@ -105,6 +110,8 @@ def measure_workers(tensors: dict[str, torch.Tensor], manifest: Manifest, model_
                 received_s.append(max(r for r, _ in done) - t0)
                 applied_s += [a - t0 for _, a in done]
                 install_s += [a - r for r, a in done]
+            first_received_s = received_s[0]
+            del raw_s[:WARMUP], received_s[:WARMUP], applied_s[:WARMUP * workers], install_s[:WARMUP * workers]
             for p in procs:
                 p.join(timeout=60)
         finally:
@@ -114,7 +121,7 @@ def measure_workers(tensors: dict[str, torch.Tensor], manifest: Manifest, model_
     raw, received = _median(raw_s), _median(received_s)
     return {"workers": workers, "rounds": rounds, "payload_bytes": total, "bucket_mb": bucket_mb,
             "raw_s": raw, "raw_gbps": total / raw / 1e9, "received_s": received,
-            "channel_gbps": total / received / 1e9, "efficiency": raw / received,
+            "channel_gbps": total / received / 1e9, "efficiency": raw / received, "first_received_s": first_received_s,
             "applied_p50_s": _median(applied_s), "applied_p99_s": _p99(applied_s),
             "install_s": _median(install_s)}
 

@@ -208,9 +208,14 @@ def _bench_elastic(args: argparse.Namespace) -> int:
 
 
 def _bench_rollout(args: argparse.Namespace) -> int:
-    from astraflow.bench.rollout import run_bench
+    if args.workload == "long-tail":
+        from astraflow.bench.longtail import run_longtail
 
-    result = run_bench(args.engines, args.sizes, args.max_tokens)
+        result = run_longtail(args.clients, args.requests, args.median_tokens, args.cap_tokens, args.rounds)
+    else:
+        from astraflow.bench.rollout import run_bench
+
+        result = run_bench(args.engines, args.sizes, args.max_tokens)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -220,7 +225,7 @@ def _bench_fuzz(args: argparse.Namespace) -> int:
 
     result = run_bench(args.seconds, args.max_messages, args.fuzzers, args.seed, args.flooders, args.max_message_mb)
     print(json.dumps(result, indent=None if args.json else 2))
-    return 0 if result["rank_alive"] and not result["correct_client"]["n_failures"] else 1
+    return 0 if not result["correct_client"]["n_failures"] else 1  # a dead rank raised already
 
 
 def _bench_multipolicy(args: argparse.Namespace) -> int:
@@ -255,6 +260,14 @@ def _bench_weights(args: argparse.Namespace) -> int:
                        args.rounds, args.bucket_mb)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+def _bench_restart(args: argparse.Namespace) -> int:
+    from astraflow.bench.restart import run_bench
+
+    result = run_bench(args.stored, args.consumed_fraction, args.tokens)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0 if result["recovered_all"] else 1
 
 
 def _env_server(args: argparse.Namespace) -> int:
@@ -420,11 +433,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench)
     b = bsub.add_parser("rollout", help="tokens/s of the vllm and hf engines on the same tiny and small models")
-    b.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=("hf", "vllm"),
+    b.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=("hf", "vllm", "vllm-batch"),
                    help="engines to measure (default: both)")
     b.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=("tiny", "small"),
                    help="model sizes to measure (default: both)")
     b.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (default: %(default)s)")
+    b.add_argument("--workload", choices=("throughput", "long-tail"), default="throughput",
+                   help="throughput: the engines and sizes above; long-tail: the vllm engine, continuous against "
+                        "batch-synchronous, on lognormal output lengths (bench/longtail.py) (default: %(default)s)")
+    b.add_argument("--clients", type=int, default=32, help="long-tail: episodes at a time (default: %(default)s)")
+    b.add_argument("--requests", type=int, default=256, help="long-tail: requests per round (default: %(default)s)")
+    b.add_argument("--median-tokens", type=int, default=16,
+                   help="long-tail: median output length (default: %(default)s)")
+    b.add_argument("--cap-tokens", type=int, default=400, help="long-tail: longest output (default: %(default)s)")
+    b.add_argument("--rounds", type=int, default=3, help="long-tail: measured rounds (default: %(default)s)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_rollout)
 
@@ -497,6 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--bucket-mb", type=float, default=256.0, help="the channel's bucket size (weights.bucket_mb)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_weights)
+
+    b = bsub.add_parser("restart", help="a dataflow rank's restart time and memory with N stored trajectories")
+    b.add_argument("--stored", type=int, default=1_000_000, help="trajectories in the run's shards")
+    b.add_argument("--consumed-fraction", type=float, default=0.9, help="of them, acknowledged by a trainer")
+    b.add_argument("--tokens", type=int, default=4, help="tokens per trajectory")
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.set_defaults(fn=_bench_restart)
     return parser
 
 

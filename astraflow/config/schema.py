@@ -185,7 +185,9 @@ class WarmupConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    kind: str = choice("hf", "hf", "vllm")  # the rollout engine: Hugging Face transformers or vLLM
+    # the rollout engine: Hugging Face transformers, vLLM (continuous batching), or vLLM's
+    # offline engine in batches (batch-synchronous: the baseline of `astraflow bench rollout`)
+    kind: str = choice("hf", "hf", "vllm", "vllm-batch")
     max_tokens: int = 8  # tokens generated per completion at most
     temperature: float = 1.0  # sampling temperature of rollouts (the evaluation is greedy)
     threads: int = 1  # OpenMP threads per engine process (OMP_NUM_THREADS, unless the environment sets it)
@@ -210,10 +212,10 @@ class PoolConfig:
 class RolloutConfig:
     workers: int = 1  # rollout worker processes (local runs; on Slurm the job's rollout tasks)
     concurrency: int = 16  # tasks in flight per worker
-    # A worker learns of new weights from its lease and commit replies (`latest`) and from the
-    # collective channel; it also asks the rank this often, a slow fallback for a worker that
-    # has nothing leased and nothing to commit.
-    weight_poll_s: float = runtime(5.0)
+    # A worker learns of new weights from its lease and commit replies (`latest`; a refused
+    # lease carries it too) and from the collective channel; it also asks the rank this
+    # often, a fallback only: at 1,000 workers a 5 s poll alone is 200 requests a second.
+    weight_poll_s: float = runtime(30.0)
     # Which policies each worker hosts, pool by pool (workers 0..n0-1 the first pool, ...);
     # empty: every worker hosts every policy. The pools' workers add up to `workers`.
     pools: tuple[PoolConfig, ...] = ()

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,10 @@ import numpy as np
 
 from astraflow.config.schema import Config
 from astraflow.dataflow import schedule
-from astraflow.dataflow.buffers import (CONSUMED, FILTERED, READY, SERVED, PolicyBuffer, SampleInfo, cached_mb,
-                                       group_stats)
-from astraflow.dataflow.leases import TaskTable
+from astraflow.dataflow.buffers import (CONSUMED, FILTERED, READY, SERVED, PolicyBuffer, cached_mb, group_stats,
+                                       grouped_stats)
+from astraflow.dataflow.leases import TaskSet, TaskTable
+from astraflow.dataflow.samples import SampleTable
 from astraflow.dataflow.selection import PromptSelection
 from astraflow.dataflow.space import FreeSpace
 from astraflow.dataflow.status import WaitTracker, build_status
@@ -51,6 +52,8 @@ STARVING_S = 30.0  # a trainer waiting this long for a batch gets a warning sayi
 MAX_CAPACITY = 4096  # tasks one worker may hold at once (its registered capacity; Lease n <= it)
 STEPS_AHEAD = 4  # a batch request is for a consumed step (a replay), a served one, or at most
 # this many steps past the trainer's last acknowledged one (its next, or a prefetched one)
+RECOVERY_COLUMNS = ("sample_id", "task_id", "policy", "version_min", "reward", "guided", "length")
+RECOVERY_SLICE_ROWS = 1 << 19  # rows recovered at a time (the arithmetic holds ~100 bytes a row)
 
 
 MB = 1 << 20
@@ -89,9 +92,10 @@ class DataflowState:
         self.source = TaskSource(cfg.tasks)
         self.tasks = TaskTable(limit=self.source.limit)
         self.selection = PromptSelection(cfg.selection, cfg.run.seed, self.source.index)
+        self.samples = SampleTable()  # every stored sample's bookkeeping, shared by the buffers
         self.buffers = {p.name: PolicyBuffer(p.name, p.max_staleness, p.buffer_capacity, cfg.trainer_for(p.name).steps,
-                                              newest_first=p.serve_order == "newest")
-                        for p in cfg.policies}
+                                              newest_first=p.serve_order == "newest", index=i, samples=self.samples)
+                        for i, p in enumerate(cfg.policies)}
         self.workers = WorkerRegistry()
         self.weights = WeightRegistry(self.run_dir / "weights", {p.name: p.keep_versions for p in cfg.policies})
         self.store = ShardStore(self.run_dir / "shards", self.policy_names, store_options(cfg))
@@ -120,43 +124,36 @@ class DataflowState:
 
     # ================================================================ recovery
     def recover(self) -> None:
+        """Rebuild the state from the shards (a few columns of their row tables, shard by
+        shard, in whole-array operations) and the journal (read twice, line by line, never
+        held whole): 10 M stored samples are a few hundred MB of columns (`samples.py`)."""
+        journal = self.run_dir / "journal"
         # the journal first: it names shards found damaged while serving, which go to quarantine
-        events = list(replay(self.run_dir / "journal"))
-        damaged = {ev["shard"]: f"found damaged while serving: {ev['why']}"
-                   for ev in events if ev.get("ev") == "damaged"}
-        self._check_journal_whole(events)
+        damaged, first_start, stranger, sample_hwm = self._scan_journal(journal)
+        self._check_journal_whole(first_start)
         # a config that no longer matches the stored data is refused before anything is moved
-        shards = self.store.recover(damaged)
-        self._check_journal_policies(events)
-        infos: dict[str, dict[int, SampleInfo]] = {p: {} for p in self.policy_names}
-        groups: dict[tuple[int, int], list[tuple[int, float]]] = defaultdict(list)
-        done: set[int] = set()
+        shards = self.store.recover(damaged, RECOVERY_COLUMNS)
+        if stranger is not None:
+            self._refuse_journal_policy(stranger)
+        self.samples.reserve(sample_hwm, exact=True)  # every id handed out is below it
+        done = TaskSet()
+        uninformative: dict[int, bool] = {}  # task -> every group it produced was filtered (prompt selection)
         for idx, reader, rows in shards:
-            names = reader.policy_names
-            for r in range(len(rows["sample_id"])):
-                sid, tid = int(rows["sample_id"][r]), int(rows["task_id"][r])
-                policy = names[int(rows["policy"][r])]
-                infos[policy][sid] = SampleInfo(sid, tid, int(rows["version_min"][r]), 0.0, 0.0, 0.0, (idx, r))
-                self.buffers[policy].counts["guided"] += int(rows["guided"][r])
-                groups[(tid, self.policy_index[policy])].append((sid, float(rows["reward"][r])))
-                done.add(tid)
-                self.next_sample_id = max(self.next_sample_id, sid + 1)
-        uninformative: dict[int, bool] = {}  # task -> every group it produced was filtered
-        for (tid, pi), members in sorted(groups.items()):
-            policy = self.policy_names[pi]
-            rewards = np.array([r for _, r in members], dtype=np.float64)
-            mean, std, adv = group_stats(rewards, self.cfg.policy(policy).advantage_std)
-            filtered = self._filtered(policy, rewards, std)
-            uninformative[tid] = uninformative.get(tid, True) and filtered
-            for (sid, _), a in zip(members, adv):
-                info = infos[policy][sid]
-                info.advantage, info.group_mean, info.group_std = float(a), mean, std
-                info.state = FILTERED if filtered else READY
-        for tid, zero in uninformative.items():  # in task order, as the tasks were committed (about)
-            self.selection.observe(tid, zero)
+            tids = rows["task_id"]
+            lo = 0
+            while lo < len(tids):  # in slices of whole tasks, to bound the memory of the arithmetic
+                hi = min(len(tids), lo + RECOVERY_SLICE_ROWS)
+                while hi < len(tids) and tids[hi] == tids[hi - 1]:
+                    hi += 1
+                self._recover_rows(idx, lo, reader.policy_names, {c: v[lo:hi] for c, v in rows.items()}, done,
+                                   uninformative)
+                lo = hi
+            del rows, tids  # not held while the next shard is read
+        for tid in sorted(uninformative):  # in task order, as the tasks were committed (about)
+            self.selection.observe(tid, uninformative[tid])
         high_water = 0
-        served: dict[str, dict[int, list[int]]] = {p: {} for p in self.policy_names}  # not yet consumed
-        for ev in events:
+        served: dict[str, dict[int, np.ndarray]] = {p: {} for p in self.policy_names}  # not yet consumed
+        for ev in replay(journal):
             kind = ev.get("ev")
             if kind == "start":
                 self.incarnation = ev["incarnation"]
@@ -173,37 +170,22 @@ class DataflowState:
                 self.buffers[ev["policy"]].trainer_step = ev["resume_step"]
                 served[ev["policy"]].clear()
             elif kind == "served":
-                served[ev["policy"]][ev["step"]] = ev["ids"]
+                served[ev["policy"]][ev["step"]] = present = self._present(ev["policy"], ev["ids"])
+                self.buffers[ev["policy"]].counts["served"] += len(present)  # as live: every serving
             elif kind == "consumed":
                 served[ev["policy"]].pop(ev["step"], None)
-                buf, pinfo = self.buffers[ev["policy"]], infos[ev["policy"]]
-                present = [s for s in ev["ids"] if s in pinfo]
+                buf = self.buffers[ev["policy"]]
+                present = self._present(ev["policy"], ev["ids"])
                 self.lost_samples += len(ev["ids"]) - len(present)
-                for sid in present:
-                    pinfo[sid].state = CONSUMED
+                self.samples.state[present] = CONSUMED
                 buf.consumed[ev["step"]] = present
                 buf.trainer_step = max(buf.trainer_step, ev["step"])
         for policy, steps in served.items():
-            for step, ids in steps.items():
-                present = [s for s in ids if s in infos[policy]]
-                self.lost_samples += len(ids) - len(present)
-                for sid in present:
-                    infos[policy][sid].state = SERVED
+            for step, present in steps.items():
+                self.samples.state[present] = SERVED
                 self.buffers[policy].served[step] = present
-        for policy, pinfo in infos.items():
-            buf = self.buffers[policy]
-            for sid in sorted(pinfo):
-                info = pinfo[sid]
-                buf.samples[sid] = info
-                buf.counts["stored"] += 1
-                if info.state == READY:
-                    buf.ready.append(sid)
-                elif info.state == FILTERED:
-                    buf.counts["filtered"] += 1
-                elif info.state == SERVED:
-                    buf.counts["served"] += 1
-                else:
-                    buf.counts["consumed"] += 1
+        for buf in self.buffers.values():
+            buf.restore()
         self.task_hwm = high_water
         self.tasks.recover(done, high_water)
         self.incarnation += 1
@@ -215,18 +197,78 @@ class DataflowState:
         log.info("recovered: %d tasks done, %d samples, %d queued tasks, %d quarantined shards",
                  len(done), self.next_sample_id, len(self.tasks.queued), len(self.store.quarantined))
 
-    def _check_journal_whole(self, events: list[dict[str, Any]]) -> None:
+    def _recover_rows(self, idx: int, first_row: int, names: tuple[str, ...], rows: dict[str, np.ndarray],
+                      done: TaskSet, uninformative: dict[int, bool]) -> None:
+        """Consecutive rows of shard `idx`, from `first_row`, holding whole tasks: their samples
+        into the table, with their groups' advantages. A commit's rows are appended as one
+        batch and a shard rotates only between flushes, so a task's rows are consecutive in one
+        shard, and a group (a task's samples of one policy) is among them."""
+        n = len(rows["sample_id"])
+        to_run = np.array([self.policy_index[name] for name in names], np.int8)
+        policy = to_run[rows["policy"]]
+        order = np.lexsort((policy, rows["task_id"]))  # stable: a group's rows stay in commit order
+        tids, pols = rows["task_id"][order], policy[order]
+        first = np.ones(n, bool)
+        first[1:] = (tids[1:] != tids[:-1]) | (pols[1:] != pols[:-1])
+        starts = np.flatnonzero(first)
+        sizes = np.diff(np.append(starts, n))
+        group_policy = pols[starts]
+        settings = [self.cfg.policy(p) for p in self.policy_names]
+        scale = np.array([c.advantage_std for c in settings])[group_policy]
+        mean, std, adv = grouped_stats(rows["reward"][order], starts, scale)
+        filtered = np.array([c.filter_zero_advantage for c in settings])[group_policy] & (sizes > 1) & (std == 0.0)
+        sids = rows["sample_id"][order]
+        self.samples.put(sids, policy=pols, state=np.where(np.repeat(filtered, sizes), FILTERED, READY), task_id=tids,
+                         version_min=rows["version_min"][order], advantage=adv, group_mean=np.repeat(mean, sizes),
+                         group_std=np.repeat(std, sizes), shard=idx, row=first_row + order,
+                         tokens=rows["length"][order])
+        guided = np.bincount(policy, weights=rows["guided"], minlength=len(self.policy_names))
+        for name, buf in self.buffers.items():
+            buf.counts["guided"] += int(guided[buf.index])
+        done.add_many(np.unique(tids))
+        self.next_sample_id = max(self.next_sample_id, int(sids.max()) + 1)
+        if self.selection.on:
+            task_first = np.flatnonzero(np.append(True, tids[starts][1:] != tids[starts][:-1]))
+            for tid, zero in zip(tids[starts][task_first].tolist(),
+                                 np.logical_and.reduceat(filtered, task_first).tolist()):
+                uninformative[tid] = uninformative.get(tid, True) and zero
+
+    def _present(self, policy: str, ids: list[int]) -> np.ndarray:
+        """Of a journal event's sample ids, those stored (a lost shard takes its samples along)."""
+        ids = np.asarray(ids, np.int64)
+        return ids[self.samples.present(ids, self.policy_index[policy])]
+
+    def _scan_journal(self, journal: Path
+                      ) -> tuple[dict[str, str], dict[str, Any] | None, dict[str, Any] | None, int]:
+        """One pass over the journal before anything is recovered: the shards found damaged
+        while serving (name -> why), the first `start` event, the first event naming a policy
+        the config does not have, and the sample-id high-water mark."""
+        damaged: dict[str, str] = {}
+        first_start = stranger = None
+        sample_hwm = 0
+        for ev in replay(journal):
+            kind = ev.get("ev")
+            if kind == "damaged":
+                damaged[ev["shard"]] = f"found damaged while serving: {ev['why']}"
+            elif kind == "start" and first_start is None:
+                first_start = ev
+            elif kind == "samples":
+                sample_hwm = max(sample_hwm, ev["hwm"])
+            if stranger is None and "policy" in ev and ev["policy"] not in self.policy_index:
+                stranger = ev
+        return damaged, first_start, stranger, sample_hwm
+
+    def _check_journal_whole(self, first_start: dict[str, Any] | None) -> None:
         """The journal must go back to the run's first start: a rank that began a new one next to
         existing shards would serve consumed samples again and lose the trainers' lineage (a
         journal deleted mid-run: 128 samples trained twice, steps 1-60 missing)."""
         path = self.journal.path
-        starts = [ev for ev in events if ev.get("ev") == "start"]
         shards = self.store.dir
         stored = next(iter(list_shards(shards)), None) or next(iter((shards / "quarantine").glob("shard-*.h5")), None)
-        if starts and starts[0].get("first_sample", 0) > 0:
-            why = (f"begins with incarnation {starts[0]['incarnation']} at sample {starts[0]['first_sample']}, not at "
-                   f"the run's start")
-        elif not starts and stored is not None:
+        if first_start is not None and first_start.get("first_sample", 0) > 0:
+            why = (f"begins with incarnation {first_start['incarnation']} at sample {first_start['first_sample']}, "
+                   f"not at the run's start")
+        elif first_start is None and stored is not None:
             why = f"is missing or empty but {stored.name} holds the run's data"
         else:
             return
@@ -236,14 +278,12 @@ class DataflowState:
         raise StoreRefused(f"{path} {why}: it was deleted or replaced, and starting from it would train samples "
                            f"again and hand out ids twice; {hint}. Nothing was moved")
 
-    def _check_journal_policies(self, events: list[dict[str, Any]]) -> None:
+    def _refuse_journal_policy(self, ev: dict[str, Any]) -> None:
         """Every policy the journal names must be in the config (else replaying it fails half-way)."""
-        for ev in events:
-            if "policy" in ev and ev["policy"] not in self.policy_index:
-                raise StoreRefused(
-                    f"{self.run_dir / 'journal' / 'journal.jsonl'} names policy {ev['policy']!r} (a {ev.get('ev')!r} "
-                    f"event) but the run's config names {list(self.policy_names)}: the config no longer matches "
-                    f"the stored data; restore the config's policies. Nothing was moved")
+        raise StoreRefused(
+            f"{self.run_dir / 'journal' / 'journal.jsonl'} names policy {ev['policy']!r} (a {ev.get('ev')!r} "
+            f"event) but the run's config names {list(self.policy_names)}: the config no longer matches "
+            f"the stored data; restore the config's policies. Nothing was moved")
 
     def _filtered(self, policy: str, rewards: np.ndarray, std: float) -> bool:
         return self.cfg.policy(policy).filter_zero_advantage and len(rewards) > 1 and std == 0.0
@@ -490,6 +530,7 @@ class DataflowState:
         lengths = batch.rows["length"]
         guided = batch.rows["guided"]
         locs = self.store.append(batch)
+        shard, rows = locs[0][0], np.array([r for _, r in locs], np.int32)
         keep = cached_mb(self.buffers.values()) < self.cfg.dataflow.payload_cache_mb
         if not keep:
             self.counters["payload_not_cached"] += n
@@ -500,11 +541,11 @@ class DataflowState:
             mean, std, adv = group_stats(rewards[members], self.cfg.policy(policy).advantage_std)
             filtered = self._filtered(policy, rewards[members], std)
             uninformative &= filtered
-            buf = self.buffers[policy]
-            for j, a in zip(members, adv):
-                buf.add(SampleInfo(int(sids[j]), tid, int(vmin[j]), float(a), mean, std, locs[j],
-                                   (trajs, int(j)) if keep else None, tokens=int(lengths[j])),
-                        filtered, float(rewards[j]), bool(guided[j]), weight)
+            self.samples.put(sids[members], policy=pi, state=READY, task_id=tid, version_min=vmin[members],
+                             advantage=adv, group_mean=mean, group_std=std, shard=shard, row=rows[members],
+                             tokens=lengths[members])
+            self.buffers[policy].add(sids[members], filtered, rewards[members], guided[members], weight,
+                                     [(trajs, int(j)) for j in members] if keep else None)
         self.selection.observe(tid, uninformative)
         self.tasks.complete(tid)
         self.workers.record_commit(req.worker_id, now, n, int(lengths.sum()), self.cfg.dataflow.status_window_s)
@@ -569,7 +610,7 @@ class DataflowState:
         buf = self.buffers[req.policy]
         self._check_batch(req, buf)
         replay = req.step in buf.consumed
-        ids = buf.consumed.get(req.step) or buf.served.get(req.step)
+        ids = buf.step_ids(req.step)
         if ids is None:
             if buf.buffered < req.n and self.tasks.exhausted and not self.tasks.leased:
                 raise RequestError("exhausted", f"only {buf.buffered} samples left and no tasks remain")
@@ -586,15 +627,11 @@ class DataflowState:
         first = req.rank == 0 and req.member == 0  # one request per step: the others of its replica ask the same
         if replay and req.member == 0:
             buf.counts["replayed"] += len(ids)
-        infos = [buf.samples[sid] for sid in ids[req.rank::req.world]]
+        mine, table = np.asarray(ids, np.int64)[req.rank::req.world], self.samples
         generated_mean, generated_count = buf.generated_reward() if first and not replay else (0.0, 0)
         return m.BatchReply(
-            req.step, replay, self._payloads(infos),
-            sample_ids=np.array([i.sample_id for i in infos], np.int64),
-            task_ids=np.array([i.task_id for i in infos], np.int64),
-            advantages=np.array([i.advantage for i in infos], np.float32),
-            group_mean=np.array([i.group_mean for i in infos], np.float32),
-            group_std=np.array([i.group_std for i in infos], np.float32),
+            req.step, replay, self._payloads(buf, mine), sample_ids=mine, task_ids=table.task_id[mine],
+            advantages=table.advantage[mine], group_mean=table.group_mean[mine], group_std=table.group_std[mine],
             generated_reward_mean=generated_mean, generated_count=generated_count)
 
     def _check_batch(self, req: m.Batch, buf: PolicyBuffer) -> None:
@@ -623,10 +660,12 @@ class DataflowState:
             raise RequestError("bad_request", f"step {req.step}: expected a step already served, or 1 .. {last} "
                                               f"(at most {STEPS_AHEAD} past the last acknowledged step)")
 
-    def _payloads(self, infos: list[SampleInfo]) -> m.TrajectoryBatch:
+    def _payloads(self, buf: PolicyBuffer, ids: np.ndarray) -> m.TrajectoryBatch:
         """The samples' trajectories as one batch: from memory where cached, the others read
         back from their shards in one batched read (`ShardStore.read`)."""
-        missing = [i.loc for i in infos if i.payload is None]
+        cached = [buf.payloads.get(sid) for sid in ids.tolist()]
+        missing = [(int(self.samples.shard[sid]), int(self.samples.row[sid]))
+                   for sid, payload in zip(ids.tolist(), cached) if payload is None]
         try:
             records = self.store.read(missing) if missing else []
         except ShardCorrupt as e:
@@ -640,18 +679,18 @@ class DataflowState:
             m.Trajectory(r["policy"], r["tokens"], r["logprobs"], r["loss_mask"], r["versions"], r["token_policy"],
                          r["reward"], r["episode_id"], r["group_id"], r["gen_s"], r["meta"]) for r in records])
         reread = iter(range(len(records)))
-        return m.TrajectoryBatch.gather([i.payload if i.payload is not None else (read, next(reread))
-                                         for i in infos])
+        return m.TrajectoryBatch.gather([payload if payload is not None else (read, next(reread))
+                                         for payload in cached])
 
     def _consumed(self, req: m.Consumed, now: float) -> m.Ok:
         self._check_policies([req.policy])
         err = self.buffers[req.policy].consume(req.step, req.sample_ids)
         if err:
             raise RequestError("conflict", f"consumed(policy={req.policy}, step={req.step}): {err}")
-        buf = self.buffers[req.policy]
         # task ids too: an audit can then tell a lost sample from one whose task was regenerated
-        self.journal.append("consumed", policy=req.policy, step=req.step, ids=req.sample_ids,
-                            tasks=[buf.samples[s].task_id for s in req.sample_ids])
+        ids = np.asarray(req.sample_ids, np.int64)
+        self.journal.append("consumed", policy=req.policy, step=req.step, ids=ids.tolist(),
+                            tasks=self.samples.task_id[ids].tolist())
         return m.Ok()
 
     def _published(self, req: m.Published, now: float) -> m.Ok:

@@ -112,4 +112,17 @@ def build_status(state: "DataflowState", now: float) -> dict[str, Any]:
 
 def _process_usage() -> dict[str, float]:
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return {"cpu_user_s": ru.ru_utime, "cpu_sys_s": ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024}
+    return {"cpu_user_s": ru.ru_utime, "cpu_sys_s": ru.ru_stime, "peak_rss_mb": peak_rss_mb(ru)}
+
+
+def peak_rss_mb(ru: resource.struct_rusage) -> float:
+    """This process's peak resident memory: Linux's VmHWM, which starts afresh at exec.
+    `ru_maxrss` does not: it keeps the peak of the process that forked this one, so a rank
+    started by a 2 GB benchmark reported 2 GB before it had read anything."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return ru.ru_maxrss / 1024

@@ -51,7 +51,7 @@ from astraflow.heap import long_lived, serving
 from astraflow.models import wait_for_model
 from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol import messages as m
-from astraflow.protocol.aclient import AsyncClient
+from astraflow.protocol.aclient import AsyncClient, follow
 from astraflow.protocol.backoff import Backoff
 from astraflow.protocol.client import moved_to, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
@@ -59,7 +59,7 @@ from astraflow.rollout.engines import ENGINES, import_library
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.slurm.env import partition, rollout_worker_id
 from astraflow.weights.fs import path_of
-from astraflow.sandbox import Sandbox
+from astraflow.sandbox import Sandbox, hide_in_every_sandbox
 from astraflow.workflows import WORKFLOWS, EpisodeContext, EpisodeError
 from astraflow.workflows.rewards import Scorer
 
@@ -68,7 +68,6 @@ log = logging.getLogger(__name__)
 # Lease refusals whose end nobody can predict (the trainer is behind, every task is out): asked
 # again with a growing wait. A sync round's refusals end with a trainer step and keep the hint.
 OPEN_ENDED = ("backpressure", "drained", "no_matching_policies")
-FOLLOW_S = 0.5  # how often the rendezvous file is read for a restarted rank's address
 MAX_PAUSE_S = 5.0  # the longest pause in leasing after environment or tool failures
 
 
@@ -202,14 +201,10 @@ class RolloutWorker:
                 await self.rpc(lambda: m.Renew(self.worker_id, list(self.inflight)))
 
     async def follow_loop(self) -> None:
-        """Reconnect as soon as a restarted rank publishes its new address: calls in flight
-        fail at once and are retried, instead of each waiting out its timeout."""
-        while True:
-            await asyncio.sleep(FOLLOW_S)
-            address = moved_to(self.rundir.path, self.client.address)
-            if address is not None:
-                log.info("dataflow rank moved to %s: reconnecting", address)
-                self.client.reconnect(address)
+        """Reconnect as soon as a restarted rank publishes its new address (`aclient.follow`:
+        the rendezvous file is read only while the connection is down): calls in flight fail
+        at once and are retried, instead of each waiting out its timeout."""
+        await follow(self.client, lambda: moved_to(self.rundir.path, self.client.address))
 
     def receive(self, policy: str, tensors: dict, manifest, received: int) -> None:
         """Called in the collective channel's thread: keep the newest, wake the weights loop."""
@@ -308,6 +303,7 @@ class RolloutWorker:
 
     async def run(self) -> None:
         cfg = self.cfg
+        hide_in_every_sandbox(str(self.rundir.path))  # tools, graders and users' rewards alike: the secret is there
         if self.own_engines:
             t0 = time.perf_counter()
             self.engines = build_engines(self.rundir, self.policies)
@@ -327,7 +323,7 @@ class RolloutWorker:
             reward=Scorer(cfg.tasks.reward, cfg.tasks.reward_timeout_s),
             policy_index={p: i for i, p in enumerate(cfg.policy_names)},
             rng=np.random.default_rng([cfg.run.seed, os.getpid()]), roles=cfg.roles, workflow=cfg.workflow,
-            environment=await self.environment(), tools=Sandbox(hide=(str(self.rundir.path),)))
+            environment=await self.environment(), tools=Sandbox())
         self.client = AsyncClient(wait_rendezvous(self.rundir.path)["address"], self.rundir.read_secret(), timeout_s=10)
         loop = self.loop = asyncio.get_running_loop()
         for policy in self.policies:

@@ -87,12 +87,20 @@ def sandbox_python() -> str | None:
 
 UID_BASE = 200_000  # sandbox uids: no passwd entry, owning no file on the host
 _slots = itertools.count()
+_hidden_everywhere: set[str] = set()
+
+
+def hide_in_every_sandbox(path: str) -> None:
+    """Make `path` invisible inside every sandbox this process runs from now on, whoever builds
+    it: a rollout worker hides its run directory (the run secret) once at start, and then a
+    reward function or workflow that builds its own `Sandbox()` cannot forget to."""
+    _hidden_everywhere.add(os.path.realpath(path))
 
 
 @dataclass
 class Sandbox:
     limits: Limits = field(default_factory=Limits)
-    hide: tuple[str, ...] = ()  # paths made invisible inside (the run directory)
+    hide: tuple[str, ...] = ()  # paths made invisible inside, besides those hidden in every sandbox
 
     @staticmethod
     def check() -> str | None:
@@ -114,7 +122,7 @@ class Sandbox:
         return UID_BASE + (os.getpid() * 4096 + next(_slots)) % 1_000_000
 
     async def run_python(self, source: str) -> Result:
-        spec = {"limits": asdict(self.limits), "hide": list(self.hide), "uid": self._uid(), "python": sandbox_python()}
+        spec = {"limits": asdict(self.limits), "hide": sorted(_hidden_everywhere.union(self.hide)), "uid": self._uid(), "python": sandbox_python()}
         proc = await asyncio.create_subprocess_exec(
             "unshare", "--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc",
             # not -I: it ignores PYTHONPATH, and the setup must come from this very package

@@ -33,6 +33,7 @@ import numpy as np
 
 from astraflow.store.errors import StoreRefused
 from astraflow.store.reader import ShardCorrupt, ShardReader, ShardUnavailable
+from astraflow.store.schema import ROW_COLUMNS
 from astraflow.store.writer import RowBatch, ShardWriter, StoreOptions, list_shards, shard_index, shard_name
 
 log = logging.getLogger(__name__)
@@ -58,11 +59,11 @@ class ShardStore:
         self._writer_reader: ShardReader | None = None
 
     # ------------------------------------------------------------- recovery
-    def recover(self, damaged: dict[str, str] | None = None
+    def recover(self, damaged: dict[str, str] | None = None, columns: tuple[str, ...] = tuple(ROW_COLUMNS)
                 ) -> Iterator[tuple[int, ShardReader, dict[str, np.ndarray]]]:
-        """Open every shard now; the iterator returned then yields (index, reader, row table) of
-        every good shard and quarantines the damaged ones and those named in `damaged` (name ->
-        why: found unreadable while serving).
+        """Open every shard now; the iterator returned then yields (index, reader, the row
+        table's `columns`) of every good shard and quarantines the damaged ones and those
+        named in `damaged` (name -> why: found unreadable while serving).
 
         Every shard is opened before anything is moved: a shard that is readable but must not
         be used as it is — stored for other policies than the config names (a policy renamed
@@ -86,16 +87,16 @@ class ShardStore:
                     f"{list(self.policy_names)}: the config no longer matches the stored data (policies "
                     f"may be added at the end, not renamed, removed or reordered); restore the config's "
                     f"policies. Nothing was moved")
-        return self._recovered(opened)
+        return self._recovered(opened, columns)
 
-    def _recovered(self, opened: list[tuple[Path, bool, str]]
+    def _recovered(self, opened: list[tuple[Path, bool, str]], columns: tuple[str, ...]
                    ) -> Iterator[tuple[int, ShardReader, dict[str, np.ndarray]]]:
         for path, readable, why in opened:
             idx = shard_index(path)
             try:
                 if not readable:
                     raise ShardCorrupt(path, why)
-                reader, rows = self._with_reader(idx, lambda r: (r, r.rows()))
+                reader, rows = self._with_reader(idx, lambda r: (r, r.rows(columns)))
                 self._with_reader(idx, ShardReader.verify)
             except ShardCorrupt as e:
                 self._drop(idx)
@@ -106,6 +107,7 @@ class ShardStore:
                 log.warning("shard %s: its last %d rows point at nothing (a write cut short, never acknowledged): "
                             "ignored; the %d rows before them are kept", path.name, reader.torn, reader.n_rows)
             yield idx, reader, rows
+            del rows  # not held while the next shard is read
 
     def _quarantine(self, path: Path, why: str) -> None:
         qdir = self.dir / "quarantine"

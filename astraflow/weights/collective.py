@@ -2,8 +2,9 @@
 the rollout workers of its policy over a process group of their own (gloo, CPU tensors).
 
 Never a hang: every operation of the sender runs under `weights.broadcast_timeout_s`; a
-worker that dies or stops mid-broadcast delays the trainer by at most that much, after which
-the sender closes the channel (one log line) and versions go over the filesystem only —
+worker that dies or stops mid-broadcast delays the trainer by about that much at most (the
+other broadcast in flight times out with the first), after which the sender closes the
+channel (one log line, which counts the whole delay) and versions go over the filesystem only —
 which always carries every version too (the collective channel only saves the workers'
 reads). A receiver waits for the next version without a limit (the trainer may train for
 long) but for everything after its header under the timeout; a receiver that fails stops
@@ -12,9 +13,23 @@ listening and its worker follows the filesystem.
 A version on the wire: a header [version, manifest bytes, payload bytes] (int64), the
 manifest JSON (`manifest.py`: its `tensors`, in order, give every tensor's name, shape, dtype
 and checksum), then the payload — every tensor's bytes at an 8-byte-aligned offset — in
-buckets of `weights.bucket_mb`, each received straight into its slice of the receiver's
-flat buffer. The receiver's tensors are views of that buffer, checked against the
-manifest's checksums before anyone sees them.
+pieces that both ends derive from the manifest (`plan`): a tensor of at least `SOLO_BYTES`
+is broadcast from its own memory (in chunks of at most `weights.bucket_mb`: no copy on the
+sender), smaller ones packed together into buckets of at most `weights.bucket_mb` (one copy
+each, into a staging buffer the sender keeps). `WINDOW` broadcasts are in flight at a time
+(gloo's worker threads move bytes while the sender stages the next pack and the receiver
+hashes what arrived): every piece goes straight into its slice of the receiver's flat
+buffer, and each tensor is checked against the manifest's checksum as soon as its last
+piece has arrived, while the next pieces arrive. The receiver's tensors are views of that
+buffer, all verified before anyone sees them.
+
+Receive buffers are reused across versions (`Buffers`): a buffer is written again only when
+no tensor outside the pool views its memory any more (torch's count of the storage's
+users), so the tensors of a version a worker still holds (a follower keeps the last one it
+took, to patch deltas into) are never overwritten; a worker holding one version while the
+next arrives needs two buffers, which is what the pool keeps. A fresh buffer costs the
+kernel's page faults on its first write, which on this machine's VM is several times the
+transfer itself (docs/benchmarks.md).
 
 The group: rank 0 the trainer's rank 0, ranks 1..n the rollout workers hosting the policy
 (in worker order), meeting through a `FileStore` in the run's rendezvous directory, named by
@@ -33,8 +48,10 @@ import json
 import logging
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -46,6 +63,8 @@ from astraflow.weights.tensors import dtype_named, nbytes, xxh3
 log = logging.getLogger(__name__)
 
 ALIGN = 8
+SOLO_BYTES = 1 << 20  # a tensor this large is broadcast from its own memory: no staging copy
+WINDOW = 2  # broadcasts in flight: gloo's default worker threads per group
 FOREVER = datetime.timedelta(days=365)  # a receiver's wait for the next version's header
 SETUP_TIMEOUT_S = 300.0  # every member joins within this (a worker builds its engine first)
 
@@ -62,17 +81,108 @@ def layout(manifest: Manifest) -> tuple[dict[str, tuple[int, int]], int]:
     return spans, offset
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Payload bytes [start, end) broadcast in one operation: a chunk of one large tensor
+    (`names` its name alone, `solo`) or small tensors packed together (with the padding
+    between them)."""
+    start: int
+    end: int
+    names: tuple[str, ...]
+    solo: bool
+
+
+def plan(spans: dict[str, tuple[int, int]], bucket: int) -> list[Piece]:
+    """The payload's pieces, in order: each tensor of at least `SOLO_BYTES` in chunks of at
+    most `bucket`, the others packed into pieces of at most `bucket` bytes."""
+    pieces: list[Piece] = []
+    pack: list[str] = []
+
+    def close_pack() -> None:
+        if pack:
+            pieces.append(Piece(spans[pack[0]][0], sum(spans[pack[-1]]), tuple(pack), False))
+            pack.clear()
+
+    for name, (off, size) in spans.items():
+        if size >= SOLO_BYTES:
+            close_pack()
+            pieces += [Piece(a, min(a + bucket, off + size), (name,), True) for a in range(off, off + size, bucket)]
+        elif size:
+            if pack and off + size - spans[pack[0]][0] > bucket:
+                close_pack()
+            pack.append(name)
+    close_pack()
+    return pieces
+
+
 def open_group(store_path: Path, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
     """The channel's group (waits for every member, up to the timeout: RuntimeError then)."""
     store = dist.FileStore(str(store_path), world)
     return dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout_s))
 
 
-def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout: datetime.timedelta) -> None:
-    """Rank 0's `tensor` into every member's, waited for at most `timeout` (RuntimeError then)."""
+def start(group: dist.ProcessGroup, tensor: torch.Tensor, timeout: datetime.timedelta) -> dist.Work:
+    """Rank 0's `tensor` into every member's, under `timeout`: the operation, in flight."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.timeout = 0, timeout
-    group.broadcast([tensor], opts).wait(timeout)
+    return group.broadcast([tensor], opts)
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout: datetime.timedelta) -> None:
+    """Rank 0's `tensor` into every member's, waited for at most `timeout` (RuntimeError then)."""
+    start(group, tensor, timeout).wait(timeout)
+
+
+def pipeline(group: dist.ProcessGroup, tensors: Iterator[torch.Tensor], timeout: datetime.timedelta,
+             done: Callable[[int], None] = lambda i: None) -> None:
+    """Broadcast each of `tensors` (taken from the iterator just before it is sent), `WINDOW`
+    in flight; `done(i)` runs once the i-th has arrived, while the next ones are moving.
+    RuntimeError when one fails or outlasts `timeout` (each is waited for at most that)."""
+    inflight: deque[dist.Work] = deque()
+
+    def issue() -> None:
+        tensor = next(tensors, None)
+        if tensor is not None:
+            inflight.append(start(group, tensor, timeout))
+
+    for _ in range(WINDOW):
+        issue()
+    i = 0
+    while inflight:
+        inflight.popleft().wait(timeout)
+        issue()
+        done(i)
+        i += 1
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, flat (a view where it is contiguous on the CPU)."""
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+
+
+def _users(buffer: torch.Tensor) -> int:
+    """How many tensors (and storage handles) use `buffer`'s memory; -1 if torch cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)  # private, in torch since 2.1
+    return -1 if count is None else count(buffer.untyped_storage()._cdata)
+
+
+class Buffers:
+    """A receiver's flat buffers, reused across versions: `take` gives one that no tensor
+    outside the pool views (or a fresh one), keeping at most `keep`."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.pool: list[tuple[torch.Tensor, int]] = []  # (buffer, its users when only the pool holds it)
+
+    def take(self, size: int) -> torch.Tensor:
+        for buffer, alone in self.pool:
+            if buffer.numel() == size and alone != -1 and _users(buffer) == alone:
+                return buffer
+        buffer = torch.empty(size, dtype=torch.uint8)
+        # the oldest buffers leave the pool; one still viewed lives on with its views only
+        self.pool = [b for b in self.pool if b[0].numel() == size][-(self.keep - 1):] if self.keep > 1 else []
+        self.pool.append((buffer, _users(buffer)))
+        return buffer
 
 
 class Sender:
@@ -82,6 +192,7 @@ class Sender:
         self.group: dist.ProcessGroup | None = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.bucket = max(ALIGN, int(bucket_mb * 2**20) // ALIGN * ALIGN)
+        self.staging = torch.empty(0, dtype=torch.uint8)  # the packs of small tensors, kept across versions
 
     @property
     def open(self) -> bool:
@@ -99,21 +210,38 @@ class Sender:
             spans, total = layout(manifest)
             broadcast(self.group, torch.tensor([manifest.version, len(meta), total], dtype=torch.int64), self.timeout)
             broadcast(self.group, meta, self.timeout)
-            flat = {name: tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8) for name in spans}
-            staging = torch.empty(min(self.bucket, total), dtype=torch.uint8)
-            for a in range(0, total, self.bucket):
-                b = min(a + self.bucket, total)
-                for name, (off, size) in spans.items():  # the pieces of each tensor inside [a, b)
-                    lo, hi = max(a, off), min(b, off + size)
-                    if lo < hi:
-                        staging[lo - a:hi - a] = flat[name][lo - off:hi - off]
-                broadcast(self.group, staging[: b - a], self.timeout)
+            pipeline(self.group, self._sources(tensors, spans), self.timeout)
+            return True
         except RuntimeError as e:  # gloo: a peer closed the connection, or the timeout passed
-            log.error("collective weight channel closed after %.1f s sending v%d (%s); versions go over the "
-                      "filesystem from now on", time.perf_counter() - t0, manifest.version, str(e).splitlines()[0])
-            self.group = None
-            return False
-        return True
+            problem = str(e).splitlines()[0]
+        # out of the handler (its traceback held the broadcasts in flight): dropping the group
+        # destroys it, which waits for the other broadcast in flight, under its own timeout
+        self.group = None
+        log.error("collective weight channel closed after %.1f s sending v%d (%s); versions go over the "
+                  "filesystem from now on", time.perf_counter() - t0, manifest.version, problem)
+        return False
+
+    def _sources(self, tensors: dict[str, torch.Tensor], spans: dict[str, tuple[int, int]]) -> Iterator[torch.Tensor]:
+        """Each piece's bytes as it is about to be sent: a view of a large tensor, or its small
+        tensors copied into their own region of the staging buffer (no piece in flight shares it)."""
+        pieces = plan(spans, self.bucket)
+        need = sum(p.end - p.start for p in pieces if not p.solo)
+        if self.staging.numel() < need:
+            self.staging = torch.empty(need, dtype=torch.uint8)
+        at, current = 0, ("", torch.empty(0, dtype=torch.uint8))  # the large tensor being sent, as bytes
+        for p in pieces:
+            if p.solo:  # its chunks come one after another: its bytes are made once (a copy only off the CPU)
+                if current[0] != p.names[0]:
+                    current = (p.names[0], as_bytes(tensors[p.names[0]]))
+                off = spans[p.names[0]][0]
+                yield current[1][p.start - off:p.end - off]
+                continue
+            region = self.staging[at:at + p.end - p.start]
+            for name in p.names:
+                off, size = spans[name]
+                region[off - p.start:off - p.start + size] = as_bytes(tensors[name])
+            at += p.end - p.start
+            yield region
 
 
 class Receiver:
@@ -124,9 +252,11 @@ class Receiver:
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.bucket = max(ALIGN, int(bucket_mb * 2**20) // ALIGN * ALIGN)
+        self.buffers = Buffers()
 
     def receive(self) -> tuple[dict[str, torch.Tensor], Manifest, int]:
-        """(tensors, manifest, bytes received) of the next version."""
+        """(tensors, manifest, bytes received) of the next version: views of a buffer that is
+        not written again while any of them lives."""
         header = torch.zeros(3, dtype=torch.int64)
         broadcast(self.group, header, FOREVER)  # the next version comes when the trainer has one
         version, meta_len, total = (int(x) for x in header)
@@ -140,16 +270,24 @@ class Receiver:
         spans, expected = layout(manifest)
         if expected != total:
             raise WeightsError(f"broadcast v{version}: {total} payload bytes, the manifest makes {expected}")
-        flat = torch.empty(total, dtype=torch.uint8)
-        for a in range(0, total, self.bucket):
-            broadcast(self.group, flat[a: min(a + self.bucket, total)], self.timeout)
-        tensors = {}
-        for name, (off, size) in spans.items():
-            info = manifest.tensors[name]
-            t = flat[off: off + size].view(dtype_named(info.dtype)).view(info.shape)
-            if nbytes(t) != size or xxh3(t) != info.xxh3:
-                raise WeightsError(f"broadcast v{version}: {name} does not match its checksum")
-            tensors[name] = t
+        flat = self.buffers.take(total)
+        pieces = plan(spans, self.bucket)
+        names = list(spans)  # in payload order
+        tensors: dict[str, torch.Tensor] = {}
+
+        def check(i: int) -> None:  # piece i arrived: check every tensor whose bytes all have
+            end = pieces[i].end if i < len(pieces) else total
+            while len(tensors) < len(names) and sum(spans[names[len(tensors)]]) <= end:
+                name = names[len(tensors)]
+                off, size = spans[name]
+                info = manifest.tensors[name]
+                t = flat[off: off + size].view(dtype_named(info.dtype)).view(info.shape)
+                if nbytes(t) != size or xxh3(t) != info.xxh3:
+                    raise WeightsError(f"broadcast v{version}: {name} does not match its checksum")
+                tensors[name] = t
+
+        pipeline(self.group, (flat[p.start:p.end] for p in pieces), self.timeout, check)
+        check(len(pieces))  # the empty tensors at the end, if any
         return tensors, manifest, total
 
 

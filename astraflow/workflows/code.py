@@ -16,8 +16,8 @@ With `workflow.reference_guidance`, a group whose attempts all scored 0 gets the
 body as one more member, scored by the engine (`guided`, as in `rlvr`).
 
 The record is the whole exchange; only the policy's tokens are trained (feedback is
-context). Grading runs under `grading.LIMITS`, hiding what the worker's tool sandbox hides (`ctx.tools`:
-the run directory).
+context). Grading runs under `grading.LIMITS`, in a sandbox that hides the worker's run directory
+(as every sandbox in a worker does: `sandbox.hide_in_every_sandbox`).
 """
 from __future__ import annotations
 
@@ -43,8 +43,7 @@ async def code(task: Task, ctx: EpisodeContext) -> list[Trajectory]:
     index, engine = ctx.policy_index[policy], ctx.engines[policy]
     grader = ctx.state.get("grader")
     if grader is None:
-        # the worker's tool sandbox hides the run directory; grading keeps that, with its own limits
-        grader = ctx.state["grader"] = Grader(Sandbox(LIMITS, hide=ctx.tools.hide if ctx.tools else ()))
+        grader = ctx.state["grader"] = Grader(Sandbox(LIMITS))
     tests, prefix = list(task.row.get("tests") or []), str(task.row.get("prefix", ""))
     chat = ctx.tokenizer.chat and ctx.tokenizer.has_chat_template
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import time
 
 import pytest
 
-from tests.chaos.harness import BATCH, check_ledgers_and_audit, finish, start, steps_done, wait_steps
+from tests.chaos.harness import BATCH, check_ledgers_and_audit, diagnosis, finish, start, steps_done, wait_steps
 from tests.conftest import component_pids
 
 pytestmark = pytest.mark.chaos
@@ -77,4 +78,40 @@ def test_worker_hung_past_its_lease_is_replaced_and_its_late_commits_are_not_sto
     assert hung_at > 2  # the other worker kept the run going meanwhile
     dataflow_log = (run_dir / "logs" / "dataflow.log").read_text()
     assert "declared dead" in dataflow_log
+    check_ledgers_and_audit(run_dir)
+
+
+def test_a_worker_killed_during_a_collective_broadcast_delays_the_trainer_at_most_the_timeout(tmp_path):
+    """weights.channel=collective: one worker is stopped, and once the trainer has published
+    the next version (and is broadcasting it) SIGKILLed. The trainer's send gives up within
+    `weights.broadcast_timeout_s` with one log line, versions go over the filesystem, the
+    restarted worker follows it, and the run completes with the audit ok."""
+    timeout_s = 5.0
+    steps = 30
+    proc, run_dir = start(tmp_path, steps=steps, extra=["weights.channel=collective",
+                                                        f"weights.broadcast_timeout_s={timeout_s}"])
+    trainer_log = run_dir / "logs" / "trainer-policy.log"
+    try:
+        wait_steps(proc, run_dir, 3)
+        deadline = time.monotonic() + 60
+        while "broadcast v" not in trainer_log.read_text():  # the group forms once every worker has its engine
+            assert time.monotonic() < deadline, f"no version went over the channel\n{diagnosis(run_dir)}"
+            time.sleep(0.1)
+        pid = component_pids(run_dir, "rollout")[0]
+        os.kill(pid, signal.SIGSTOP)
+        published = trainer_log.read_text().count("published v")
+        deadline = time.monotonic() + 60
+        while trainer_log.read_text().count("published v") == published:  # the next send has begun
+            assert time.monotonic() < deadline, "no version published after the worker stopped"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        out, err = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out[out.index("{"):])["steps"] == steps
+    closed = re.findall(r"collective weight channel closed after ([\d.]+) s", trainer_log.read_text())
+    assert len(closed) == 1 and float(closed[0]) <= timeout_s + 1.0, closed
     check_ledgers_and_audit(run_dir)

@@ -81,7 +81,7 @@ def test_with_no_margin_a_turn_that_does_not_fit_never_reaches_hdf5(small_fs):
     reader.close()
     state = DataflowState(run.path, run.config)
     state.recover()
-    assert state.tasks.done == {tasks[0]} and not state.store.quarantined
+    assert set(state.tasks.done) == {tasks[0]} and not state.store.quarantined
     worker = state.handle(m.Register(m.PROTOCOL_VERSION, "w", ["policy"], 4)).worker_id  # the new rank forgot it
     commit_group(state, worker, tasks[1], tokens=100_000)  # the worker's retry, now that there is room
     state.flush()

@@ -505,7 +505,7 @@ def test_the_served_ledger_survives_a_restart(tmp_path):
     state = DataflowState(run.path, run.config, clock=Clock())
     state.recover()
     buf = state.buffers["policy"]
-    assert buf.buffered == 8 and buf.served == {1: ids}
+    assert buf.buffered == 8 and list(buf.served) == [1] and buf.served[1].tolist() == ids
     others = list(buf.ready)[:4]
     assert state.handle(m.Consumed("policy", 2, others)).code == "conflict"  # never served
     assert state.handle(m.Batch("policy", 1, 4)).sample_ids.tolist() == ids  # a retried request

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from astraflow.config.schema import SelectionConfig
-from astraflow.dataflow.buffers import PolicyBuffer, SampleInfo
+from astraflow.dataflow.buffers import PolicyBuffer
 from astraflow.dataflow.selection import PromptSelection
 from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
 from astraflow.store.reader import load_rows
-from tests.conftest import make_run
+from tests.conftest import make_run, store_sample
 from tests.unit.test_dataflow_state import Clock, group, register
 
 ON = ["selection.skip_zero_advantage=true", "tasks.group_size=4"]
@@ -43,8 +43,8 @@ def test_selection_off_keeps_every_prompt():
 
 def test_the_generated_reward_is_weighted_by_selection():
     buf = PolicyBuffer("p", max_staleness=1, capacity=100)
-    buf.add(SampleInfo(0, 0, 0, 0.0, 1.0, 0.0, (0, 0)), filtered=True, reward=1.0, weight=3.0)
-    buf.add(SampleInfo(1, 1, 0, 0.0, 0.0, 0.0, (0, 1)), filtered=False, reward=0.0, weight=1.0)
+    store_sample(buf, 0, filtered=True, reward=1.0, weight=3.0)
+    store_sample(buf, 1, task=1, reward=0.0, weight=1.0)
     assert buf.generated_reward() == (pytest.approx(0.75), 2)
 
 

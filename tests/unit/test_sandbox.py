@@ -81,20 +81,37 @@ def test_no_writes_outside_its_directory(tmp_path):
     assert r.ok and not os.path.exists("/tmp/left-behind")
 
 
-def test_hidden_run_directory_and_its_secret_are_not_there():
-    # outside /tmp (the sandbox has its own; a checkout may live there) and readable by
-    # anyone on the host: only the mount namespace keeps the secret out of reach
-    run_dir = Path(tempfile.mkdtemp(prefix="astraflow-sandbox-test-", dir="/var/lib"))
-    try:
-        os.chmod(run_dir, 0o755)
-        (run_dir / "secret").write_text("s3cret")
-        os.chmod(run_dir / "secret", 0o644)
-        read = f"print(open('{run_dir}/secret').read())"
-        assert run(read).stdout.strip() == "s3cret"  # the control: visible when not hidden
-        r = run(read, hide=(str(run_dir),))
-        assert not r.ok and "s3cret" not in r.stdout and "FileNotFoundError" in r.stderr
-    finally:
-        shutil.rmtree(run_dir)
+@pytest.fixture
+def run_dir():
+    """A run directory with its secret, outside /tmp (the sandbox has its own; a checkout may
+    live there) and readable by anyone on the host: only hiding keeps the secret out of reach."""
+    path = Path(tempfile.mkdtemp(prefix="astraflow-sandbox-test-", dir="/var/lib"))
+    os.chmod(path, 0o755)
+    (path / "secret").write_text("s3cret")
+    os.chmod(path / "secret", 0o644)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_hidden_run_directory_and_its_secret_are_not_there(run_dir):
+    read = f"print(open('{run_dir}/secret').read())"
+    assert run(read).stdout.strip() == "s3cret"  # the control: visible when not hidden
+    r = run(read, hide=(str(run_dir),))
+    assert not r.ok and "s3cret" not in r.stdout and "FileNotFoundError" in r.stderr
+
+
+def test_a_reward_functions_own_sandbox_hides_what_the_worker_hides(run_dir, monkeypatch):
+    """`code_tests` builds its own `Sandbox(LIMITS)`: it used to see the run directory a worker's
+    tool sandbox hid, secret included. A worker now hides its run directory in every sandbox."""
+    from astraflow import sandbox
+    from astraflow.workflows.rewards import code_tests
+
+    monkeypatch.setattr(sandbox, "_hidden_everywhere", set())
+    completion = f"```python\ndef leak():\n    return open('{run_dir}/secret').read()\n```"
+    row = {"tests": ["assert leak() == 's3cret'"]}
+    assert asyncio.run(code_tests(completion, "", row)) == 1.0  # the control: readable when not hidden
+    sandbox.hide_in_every_sandbox(str(run_dir))
+    assert asyncio.run(code_tests(completion, "", row)) == 0.0
 
 
 def test_nothing_written_to_world_writable_host_directories_persists():

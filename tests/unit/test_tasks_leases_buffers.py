@@ -6,9 +6,10 @@ import pytest
 
 from astraflow.config.loader import ConfigError
 from astraflow.config.schema import TaskSourceConfig
-from astraflow.dataflow.buffers import CONSUMED, DROPPED, READY, PolicyBuffer, SampleInfo, group_stats
-from astraflow.dataflow.leases import TaskTable
+from astraflow.dataflow.buffers import CONSUMED, DROPPED, READY, PolicyBuffer, group_stats
+from astraflow.dataflow.leases import TaskSet, TaskTable
 from astraflow.tasks.sources import TaskSource
+from tests.conftest import store_sample
 
 
 def test_arithmetic_source_is_deterministic_with_disjoint_heldout():
@@ -53,7 +54,7 @@ def test_leases_expire_renew_and_requeue_first():
 
 def test_task_table_recovery_requeues_everything_not_done():
     t = TaskTable()
-    t.recover(done={0, 2, 5}, high_water=8)
+    t.recover(done=TaskSet({0, 2, 5}), high_water=8)
     assert list(t.queued) == [1, 3, 4, 6, 7] and t.next_id == 8
 
 
@@ -62,7 +63,7 @@ def test_task_table_recovery_keeps_the_task_limit():
     a run of `max_tasks` 80 re-queued every id up to the mark and handed out 1,024 tasks (a
     flaky integration test: its buffer then filled and the workers waited for good)."""
     t = TaskTable(limit=4)
-    t.recover(done={0, 2}, high_water=1026)
+    t.recover(done=TaskSet({0, 2}), high_water=1026)
     assert list(t.queued) == [1, 3] and [t.take(), t.take(), t.take()] == [1, 3, None] and t.exhausted
 
 
@@ -77,14 +78,14 @@ def test_task_limit_exhausts():
 def _buffer(n: int, versions: list[int] | None = None, staleness: int = 1, newest_first: bool = False) -> PolicyBuffer:
     buf = PolicyBuffer("p", max_staleness=staleness, capacity=100, newest_first=newest_first)
     for i in range(n):
-        buf.add(SampleInfo(i, i // 2, (versions or [0] * n)[i], 0.0, 0.0, 1.0, (0, i), payload=object()), False, 0.0)
+        store_sample(buf, i, task=i // 2, version=(versions or [0] * n)[i], payload=object())
     return buf
 
 
 def test_take_waits_for_a_full_batch_and_drops_stale_samples():
     buf = _buffer(6, versions=[0, 0, 2, 2, 3, 3], staleness=1)
     assert buf.take(step=1, n=5, trainer_version=3) is None  # 0,0 are stale: only 4 fresh
-    assert buf.counts["dropped_stale"] == 2 and buf.samples[0].state == DROPPED
+    assert buf.counts["dropped_stale"] == 2 and buf.samples.state[0] == DROPPED
     assert buf.buffered == 4 and buf.take(1, 4, 3) == [2, 3, 4, 5]
 
 
@@ -95,7 +96,7 @@ def test_newest_first_serves_the_last_stored_and_clears_the_stale_old_end():
     assert buf.counts["dropped_stale"] == 2 and list(buf.ready) == [2, 3, 4]
     assert buf.take(2, 3, 3) is None  # 3 is stale too: two fresh ones, kept in their order
     assert list(buf.ready) == [2, 4] and buf.counts["dropped_stale"] == 3
-    buf.add(SampleInfo(8, 4, 3, 0.0, 0.0, 1.0, (0, 8), payload=object()), False, 0.0)
+    store_sample(buf, 8, task=4, version=3, payload=object())
     assert buf.take(2, 3, 3) == [8, 4, 2]
     # a restarted trainer gets the served samples next, in the order they were served
     assert buf.trainer_restarted(resume_step=0) == []
@@ -106,22 +107,22 @@ def test_consume_checks_what_was_served_and_restart_replays():
     buf = _buffer(8)
     s1, s2 = buf.take(1, 4, 0), buf.take(2, 4, 0)
     assert buf.consume(1, s2) is not None  # not what step 1 was served
-    assert buf.consume(1, s1) is None and buf.samples[s1[0]].state == CONSUMED
+    assert buf.consume(1, s1) is None and buf.samples.state[s1[0]] == CONSUMED
     assert buf.consume(3, s1) == "step 3 was never served"  # nor consumed again under another step
     # trainer crashes after step 1 was consumed and step 2 served; it resumes from step 0
     assert buf.trainer_restarted(resume_step=0) == [1]
-    assert buf.samples[s2[0]].state == READY and list(buf.ready)[:4] == s2
+    assert buf.samples.state[s2[0]] == READY and list(buf.ready)[:4] == s2
 
 
 def test_a_finished_trainer_exerts_no_backpressure_and_its_late_samples_are_unused():
     buf = PolicyBuffer("p", max_staleness=1, capacity=4, steps=1)
     for i in range(4):
-        buf.add(SampleInfo(i, 0, 0, 0.0, 0.0, 1.0, (0, i), payload=object()), False, 0.0)
+        store_sample(buf, i, payload=object())
     assert not buf.has_room(1)  # full while its trainer still needs samples
     assert buf.consume(1, buf.take(1, 4, 0)) is None and buf.finished
     assert buf.has_room(1000)  # done: the other policies' episodes must not wait for it
-    buf.add(SampleInfo(9, 1, 1, 0.0, 0.0, 1.0, (0, 9), payload=object()), False, 0.0)
-    assert buf.samples[9].state == DROPPED and buf.samples[9].payload is None
+    store_sample(buf, 9, task=1, version=1, payload=object())
+    assert buf.samples.state[9] == DROPPED and 9 not in buf.payloads and buf.cached_tokens == 0
     assert buf.counts["unused"] == 1 and buf.buffered == 0
 
 
@@ -151,9 +152,9 @@ def test_generated_reward_is_since_the_last_read_and_carried_over_an_empty_inter
     buf = PolicyBuffer("p", max_staleness=1, capacity=100)
     assert np.isnan(buf.generated_reward()[0])  # nothing generated yet
     for i, reward in enumerate([1.0, 0.0, 1.0, 1.0]):
-        buf.add(SampleInfo(i, i, 0, 0.0, 0.0, 1.0, (0, i)), False, reward)
-    buf.add(SampleInfo(9, 0, 0, 0.0, 0.0, 1.0, (0, 9)), False, 1.0, guided=True)  # not generated
+        store_sample(buf, i, task=i, reward=reward)
+    store_sample(buf, 9, reward=1.0, guided=True)  # not generated
     assert buf.generated_reward() == (0.75, 4)
     assert buf.generated_reward() == (0.75, 0)  # a step served from the surplus: no NaN
-    buf.add(SampleInfo(10, 5, 0, 0.0, 0.0, 1.0, (0, 10)), False, 0.0)
+    store_sample(buf, 10, task=5)
     assert buf.generated_reward() == (0.0, 1) and buf.counts["guided"] == 1

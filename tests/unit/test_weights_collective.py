@@ -1,6 +1,8 @@
 """The collective weight channel over gloo between real processes: versions arrive bit-equal
-(checked against the manifest), and a receiver SIGKILLed or stopped mid-broadcast delays the
-sender by at most the timeout, after which the channel is closed and stays closed."""
+(checked against the manifest), a version a receiver still holds is not overwritten by the
+next ones (receive buffers are reused only when nothing views them), and a receiver SIGKILLed
+or stopped mid-broadcast delays the sender by at most the timeout, after which the channel is
+closed and stays closed. The piece plan and the buffer pool are also checked on their own."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -11,7 +13,7 @@ import time
 import pytest
 import torch
 
-from astraflow.weights.collective import Receiver, Sender, broadcast, open_group
+from astraflow.weights.collective import SOLO_BYTES, Buffers, Receiver, Sender, broadcast, open_group, plan
 from astraflow.weights.publisher import Publisher
 from astraflow.weights.tensors import xxh3
 
@@ -19,10 +21,12 @@ TIMEOUT_S = 3.0
 
 
 def receiver(store: str, rank: int, world: int, out, fail: str) -> None:
-    """A worker's end in its own process: report each version's checksums, or die/stop on the
-    first bucket after the header (`fail`)."""
+    """A worker's end in its own process: report each version's checksums and those of the
+    version it held (as a follower does) while this one arrived, or die/stop on the first
+    bucket after the header (`fail`)."""
     group = open_group(store, rank, world, TIMEOUT_S)
     rx = Receiver(group, TIMEOUT_S, bucket_mb=0.25)
+    held = None
     try:
         while True:
             if fail:
@@ -32,7 +36,10 @@ def receiver(store: str, rank: int, world: int, out, fail: str) -> None:
                 broadcast(group, torch.empty(rx.bucket, dtype=torch.uint8), rx.timeout)  # the first bucket
                 os.kill(os.getpid(), signal.SIGKILL if fail == "kill" else signal.SIGSTOP)
             tensors, manifest, _ = rx.receive()
-            out.put((manifest.version, manifest.name, {n: xxh3(t) for n, t in tensors.items()}))
+            out.put((manifest.version, manifest.name, {n: xxh3(t) for n, t in tensors.items()},
+                     None if held is None else (held[0], {n: xxh3(t) for n, t in held[1].items()})))
+            held = (manifest.version, tensors)
+            del tensors  # only the held version views a buffer while the next one arrives
     except Exception as e:  # noqa: BLE001 - reported to the test
         out.put(("failed", type(e).__name__, str(e)[:200]))
 
@@ -64,12 +71,16 @@ def start(tmp_path, fails: list[str]):
 def test_versions_arrive_bit_equal_at_every_receiver(tmp_path):
     sender, procs, out = start(tmp_path, ["", ""])
     try:
-        sent = []
-        for tensors, manifest in versions(tmp_path, 3):
+        sent = {}
+        for tensors, manifest in versions(tmp_path, 4):
             assert sender.send(tensors, manifest)
-            sent.append((manifest.version, manifest.name, {n: info.xxh3 for n, info in manifest.tensors.items()}))
+            sent[manifest.version] = (manifest.name, {n: info.xxh3 for n, info in manifest.tensors.items()})
         got = [out.get(timeout=30) for _ in range(2 * len(sent))]
-        assert sorted(got, key=lambda g: g[0]) == sorted(sent * 2, key=lambda s: s[0])
+        assert sorted(v for v, *_ in got) == sorted(list(sent) * 2)
+        for version, name, sums, held in got:
+            assert (name, sums) == sent[version]
+            # the version held while this one arrived is intact (its buffer was not reused)
+            assert held == (None if version == 1 else (version - 1, sent[version - 1][1]))
     finally:
         for p in procs:
             p.kill()
@@ -91,3 +102,33 @@ def test_a_receiver_dying_mid_broadcast_delays_the_sender_at_most_the_timeout(tm
     finally:
         for p in procs:
             p.kill()
+
+
+def test_the_plan_sends_large_tensors_from_their_own_memory_and_packs_small_ones():
+    spans = {"big": (0, 5 * SOLO_BYTES), "a": (5 * SOLO_BYTES, 10), "b": (5 * SOLO_BYTES + 16, 100),
+             "empty": (5 * SOLO_BYTES + 120, 0), "mid": (5 * SOLO_BYTES + 120, SOLO_BYTES), "c": (6 * SOLO_BYTES + 120, 3)}
+    pieces = plan(spans, bucket=2 * SOLO_BYTES)
+    assert [(p.start, p.end, p.names, p.solo) for p in pieces] == [
+        (0, 2 * SOLO_BYTES, ("big",), True), (2 * SOLO_BYTES, 4 * SOLO_BYTES, ("big",), True),
+        (4 * SOLO_BYTES, 5 * SOLO_BYTES, ("big",), True),
+        (5 * SOLO_BYTES, 5 * SOLO_BYTES + 116, ("a", "b"), False),
+        (5 * SOLO_BYTES + 120, 6 * SOLO_BYTES + 120, ("mid",), True),
+        (6 * SOLO_BYTES + 120, 6 * SOLO_BYTES + 123, ("c",), False)]
+    # a pack never grows past the bucket
+    small = {f"t{i}": (i * 64, 60) for i in range(10)}
+    assert [p.names for p in plan(small, bucket=128)] == [(f"t{i}", f"t{i + 1}") for i in range(0, 10, 2)]
+
+
+def test_a_receive_buffer_is_reused_only_when_nothing_views_it():
+    buffers = Buffers()
+    a = buffers.take(1000)
+    held = a[8:16].view(torch.int16)  # a version's tensor, still held
+    b = buffers.take(1000)
+    assert b is not a
+    assert buffers.take(1000) is b  # nothing views b: it is written again
+    del held
+    assert buffers.take(1000) in (a, b)
+    views = [a[:10], b[:10]]
+    c = buffers.take(1000)  # both viewed: a fresh one, and the pool stays at two buffers
+    assert c is not a and c is not b and len(buffers.pool) == 2
+    del views

@@ -34,7 +34,13 @@ def _vllm(model_dir: str, **kw) -> Engine:
     return VLLMEngine(model_dir, **kw)
 
 
-ENGINES: dict[str, Callable[..., Engine]] = {"hf": _hf, "vllm": _vllm}
+def _vllm_batch(model_dir: str, **kw) -> Engine:
+    from astraflow.rollout.engines.vllm_batch import VLLMBatchEngine
+
+    return VLLMBatchEngine(model_dir, **kw)
+
+
+ENGINES: dict[str, Callable[..., Engine]] = {"hf": _hf, "vllm": _vllm, "vllm-batch": _vllm_batch}
 
 
 def _hf_library() -> None:
@@ -42,12 +48,12 @@ def _hf_library() -> None:
 
 
 def _vllm_library() -> None:
-    from astraflow.rollout.engines.vllm import import_vllm
+    from astraflow.rollout.engines.vllm_requests import import_vllm
 
     import_vllm()
 
 
-LIBRARIES: dict[str, Callable[[], None]] = {"hf": _hf_library, "vllm": _vllm_library}
+LIBRARIES: dict[str, Callable[[], None]] = {"hf": _hf_library, "vllm": _vllm_library, "vllm-batch": _vllm_library}
 
 
 def import_library(cfg: EngineConfig) -> None:

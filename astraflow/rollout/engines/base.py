@@ -44,6 +44,7 @@ class Completion:
     version: int  # weight version that generated every token of it
     finished: bool  # ended with a stop token
     decoded: int = 0  # tokens the engine decoded for it (more than len(tokens) with ignore_eos)
+    aborted: bool = False  # stopped by `abort` (the vllm engine): the tokens generated until then
 
 
 class Engine(Protocol):
@@ -62,3 +63,10 @@ def stop_cut(tokens: np.ndarray, stop: tuple[int, ...]) -> tuple[int, bool]:
     """(length up to and including the first stop token, whether there was one)."""
     ends = np.flatnonzero(np.isin(tokens, stop)) if stop else ()
     return (int(ends[0]) + 1, True) if len(ends) else (len(tokens), False)
+
+
+def read_state(path: Path) -> dict:
+    """A model directory's state dict (what an engine loads in place of its weights)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))

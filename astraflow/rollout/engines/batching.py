@@ -21,7 +21,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from astraflow.rollout.engines.base import Completion, SamplingParams
+from astraflow.rollout.engines.base import Completion, SamplingParams, read_state
 
 QUIET_S = 0.001
 
@@ -41,9 +41,7 @@ class BatchingEngine:
 
     def read_weights(self, path: Path) -> Any:
         """What `install` needs of a model directory, read outside the batch lock: its state dict."""
-        from safetensors.torch import load_file
-
-        return load_file(str(path / "model.safetensors"))
+        return read_state(path)
 
     def install(self, weights: Any, changed: frozenset[str] | None = None) -> None:
         """Put a state dict (or `read_weights`' result) in place (between batches); `changed`:

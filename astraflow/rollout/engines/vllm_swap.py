@@ -9,9 +9,17 @@ them (`packed_modules_mapping`: q/k/v into qkv_proj, gate/up into gate_up_proj),
 everything else in place, and rebuild the handles of the layers whose weights changed.
 4.7 ms for the tiny model.
 
+Where it runs: in vLLM's worker, reached by `collective_rpc` through `WorkerExtension` (vLLM's
+`worker_extension_cls`: its methods are mixed into the worker class, so they are called by
+name and no function is pickled). The continuous engine's worker lives in vLLM's engine-core
+child process, so its tensors cross a socket: `pack` turns them into (dtype, shape, bytes)
+triples that vLLM's msgpack carries as they are (it would flatten a tensor inside a dict into
+a list whose buffer it keeps aside), `unpack` rebuilds them there; the batch engine's worker is
+in-process and takes the tensors themselves.
+
 Invariants:
-- Applies only where it is exact: the CPU platform, one rank, the engine core in this
-  process (`applies()`); the engine uses `reload_weights` everywhere else.
+- Applies only where it is exact: the CPU platform, one rank (`applies()`); the engines use
+  `reload_weights` everywhere else.
 - A name or shape the model does not have raises a `ValueError` naming the tensor before any
   weight changes, so a wrong file leaves the engine on its old weights.
 - Tied embeddings (lm_head *is* embed_tokens in vLLM's module tree) get one update and one
@@ -21,18 +29,65 @@ Invariants:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+EXTENSION = "astraflow.rollout.engines.vllm_swap.WorkerExtension"  # vLLM's `worker_extension_cls`
 
-def applies() -> bool:
-    """Whether `swap` may replace `reload_weights`: CPU, and the engine core in this process."""
-    return not torch.cuda.is_available() and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
+def applies(tensor_parallel_size: int) -> bool:
+    """Whether `swap` may replace `reload_weights`: the CPU platform, one rank (the worker
+    that holds the whole model)."""
+    return not torch.cuda.is_available() and tensor_parallel_size == 1
+
+
+Packed = dict[str, "torch.Tensor | tuple[str, list[int], bytes]"]
+
+
+def pack(weights: dict[str, torch.Tensor]) -> Packed:
+    """Tensors as (dtype, shape, bytes): what crosses vLLM's socket to its engine core intact."""
+    return {name: (str(t.dtype).removeprefix("torch."), list(t.shape), t.detach().contiguous().view(-1)
+                   .view(torch.uint8).numpy().tobytes()) for name, t in weights.items()}
+
+
+def unpack(packed: Packed) -> dict[str, torch.Tensor]:
+    """`pack`'s inverse; tensors (an in-process worker's) pass through as they are."""
+    out = {}
+    for name, value in packed.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = value
+        else:
+            dtype, shape, data = value
+            out[name] = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).view(shape)
+    return out
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class (`EXTENSION`); called by name through `collective_rpc`.
+    A checkpoint the model refuses comes back as the refusal's message (`refused`), not as an
+    exception: vLLM's engine core would turn that into a bare `Exception` of its own."""
+
+    def astraflow_swap(self, weights: Packed) -> str | None:
+        """In-place swap of whole tensors (`swap`)."""
+        try:
+            swap(self, unpack(weights))
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def astraflow_load_named(self, weights: Packed) -> None:
+        """Load Hugging Face-named tensors through the model's own `load_weights` (it stacks
+        q/k/v and gate/up and shards for tensor parallelism): where `swap` does not apply."""
+        self.model_runner.model.load_weights(unpack(weights).items())
+
+
+def refused(results: list) -> None:
+    """Raise the first worker's refusal (`WorkerExtension`) as the `ValueError` it was."""
+    for result in results or ():
+        if isinstance(result, str):
+            raise ValueError(result)
 
 def swap(worker, weights: dict[str, torch.Tensor]) -> None:
-    """Run through `collective_rpc` on the (single, in-process) worker: load `weights`, named
+    """Run in the (single) vLLM worker: load `weights`, named
     as in the Hugging Face checkpoint, into the model in place."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
