@@ -1,4 +1,4 @@
-"""The main job as shipped (`configs/quickstart.yaml`, the vllm engine), shortened to 100
+"""The main job as shipped (`configs/quickstart.yaml`, the vllm-batch engine), shortened to 100
 steps: the rollout worker generates through vLLM and swaps in every new version, the policy
 learns (the generated reward rises, the last weights score clearly better on the held-out
 prompts than the starting ones), the evaluation started beside the run scores both through
@@ -32,7 +32,7 @@ def test_the_main_job_runs_on_vllm(tmp_path):
     require("vllm")
     run_dir = tmp_path / "run"
     cfg = load_config(REPO / "configs" / "quickstart.yaml")
-    assert cfg.engine.kind == "vllm"
+    assert cfg.engine.kind == "vllm-batch"
     out = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
                           "--run-dir", str(run_dir), "--quiet", "--set", f"trainer.steps={STEPS}"],
                          cwd=REPO, capture_output=True, text=True, timeout=400)
