@@ -36,16 +36,8 @@ COLUMNS: dict[str, np.dtype] = {
 class SampleTable:
     def __init__(self) -> None:
         self.capacity = 0
-        self.policy = np.empty(0, COLUMNS["policy"])
-        self.state = np.empty(0, COLUMNS["state"])
-        self.task_id = np.empty(0, COLUMNS["task_id"])
-        self.version_min = np.empty(0, COLUMNS["version_min"])
-        self.advantage = np.empty(0, COLUMNS["advantage"])
-        self.group_mean = np.empty(0, COLUMNS["group_mean"])
-        self.group_std = np.empty(0, COLUMNS["group_std"])
-        self.shard = np.empty(0, COLUMNS["shard"])
-        self.row = np.empty(0, COLUMNS["row"])
-        self.tokens = np.empty(0, COLUMNS["tokens"])
+        for name, dtype in COLUMNS.items():
+            setattr(self, name, np.empty(0, dtype))
 
     def reserve(self, n_ids: int, exact: bool = False) -> None:
         """Room for ids below `n_ids`: exactly (recovery knows how many), else by half again.
