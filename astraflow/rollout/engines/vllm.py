@@ -17,7 +17,8 @@ hop to it (`_call`) and cancelling one aborts its request.
 Weight versions: every token of one `generate` has one version (the engine contract). A new
 version waits until the requests in flight have finished while new requests wait for it, then
 goes in (`vllm_swap.WorkerExtension` through `collective_rpc`, its tensors packed for the
-socket to the engine core: `vllm_swap.pack`), then the waiting requests start. Requests and
+socket to the engine core: `vllm_swap.pack`), vLLM's prefix cache is emptied (its blocks hold
+the old weights' keys and values), then the waiting requests start. Requests and
 outputs convert as `vllm_requests` describes (processed logprobs, forced tokens scored through
 prompt logprobs); vLLM returns each request's output once, when it ends (`FINAL_ONLY`).
 """
@@ -31,8 +32,8 @@ from typing import Any, Coroutine, TypeVar
 
 from astraflow.rollout.engines import vllm_swap
 from astraflow.rollout.engines.base import Completion, SamplingParams, read_state
-from astraflow.rollout.engines.vllm_requests import (engine_settings, import_vllm, sampled, scored, swap_call,
-                                                     vllm_params)
+from astraflow.rollout.engines.vllm_requests import (engine_settings, import_vllm, prefix_cache_emptied, sampled,
+                                                     scored, swap_call, vllm_params)
 
 T = TypeVar("T")
 CLOSE_S = 30.0  # how long `close` waits for vLLM's shutdown
@@ -150,6 +151,7 @@ class VLLMEngine:
             try:
                 method, kwargs = swap_call(state, changed, self.swap_in_place, pack=True)
                 vllm_swap.refused(await self.llm.collective_rpc(method, kwargs=kwargs))
+                prefix_cache_emptied(await self.llm.reset_prefix_cache())
                 self.version = version
             finally:
                 async with self._gate:

@@ -18,7 +18,8 @@ from pathlib import Path
 from astraflow.rollout.engines import vllm_swap
 from astraflow.rollout.engines.base import Completion, SamplingParams
 from astraflow.rollout.engines.batching import BatchingEngine
-from astraflow.rollout.engines.vllm_requests import engine_settings, import_vllm, sampled, scored, swap_call, vllm_params
+from astraflow.rollout.engines.vllm_requests import (engine_settings, import_vllm, prefix_cache_emptied, sampled,
+                                                     scored, swap_call, vllm_params)
 
 
 class VLLMBatchEngine(BatchingEngine):
@@ -65,3 +66,4 @@ class VLLMBatchEngine(BatchingEngine):
         in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         method, kwargs = swap_call(weights, changed, self.swap_in_place, pack=not in_process)
         vllm_swap.refused(self.llm.collective_rpc(method, kwargs=kwargs))
+        prefix_cache_emptied(self.llm.reset_prefix_cache())  # its blocks hold the old weights' keys and values

@@ -6,6 +6,13 @@ Token ids in, token ids out (`skip_tokenizer_init`): AstraFlow owns tokenization
 are vLLM's *processed* logprobs — after temperature, the distribution the token was
 actually sampled from (the default, raw logprobs, would be wrong for temperature != 1).
 Forced tokens (a reference answer to score) go in as prompt tokens with prompt logprobs.
+
+New weights empty vLLM's prefix cache (`prefix_cache_emptied`): vLLM keeps the KV blocks of
+every full block of prompt it has seen, keyed by the tokens alone, and reuses them for any
+later prompt that starts the same way. Across a weight version those blocks hold the old
+weights' keys and values: a 256-token prompt seen before a swap was continued on the stale
+cache, its logprobs 0.34 off the new weights' (a chat template's system prompt is such a
+shared prefix for every request of a real run).
 vLLM leaves prompt logprobs at temperature 1: at T = 1 the forced token's own logprob is what
 is needed (`prompt_logprobs=0`); at any other T the whole vocabulary's are asked for and
 re-tempered here (log_softmax(logprobs / T) equals log_softmax(logits / T)). That costs a
@@ -100,6 +107,14 @@ def scored(steps: list[dict], p: SamplingParams, version: int) -> Completion:
         tempered -= np.logaddexp.reduce(tempered)
         logprobs.append(tempered[ids == token][0])
     return Completion(tokens, np.asarray(logprobs, np.float32), version, finished, len(tokens))
+
+
+def prefix_cache_emptied(emptied: bool) -> None:
+    """After a weight swap: vLLM's `reset_prefix_cache` refuses (False) while requests hold
+    cached blocks, and the engines swap only with none running, so a refusal is a bug here."""
+    if not emptied:
+        raise RuntimeError("vLLM refused to empty its prefix cache after a weight swap: requests were "
+                           "still running, and their cached prompts hold the old weights' keys and values")
 
 
 def swap_call(weights: dict | Path, changed: frozenset[str] | None, in_place: bool,
