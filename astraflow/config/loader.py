@@ -216,6 +216,10 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
     if cfg.rollout.weight_poll_s <= 0:
         raise ConfigError(f"{where.at('rollout.weight_poll_s')}: rollout.weight_poll_s: expected > 0, "
                           f"got {cfg.rollout.weight_poll_s}")
+    if cfg.rollout.partial and cfg.engine.kind != "vllm":
+        raise ConfigError(f"{where.at('rollout.partial')}: rollout.partial: partial rollouts pause and resume "
+                          f"generations in flight, which only the continuous engine does (engine.kind: vllm); "
+                          f"engine.kind is {cfg.engine.kind!r}")
     t = cfg.trainer
     if t.lr_warmup_steps < 0 or not 0.0 <= t.lr_min_ratio <= 1.0:
         raise ConfigError(f"{where.at('trainer')}: trainer: expected lr_warmup_steps >= 0 and 0 <= lr_min_ratio <= 1")

@@ -216,6 +216,10 @@ class RolloutConfig:
     # lease carries it too) and from the collective channel; it also asks the rank this
     # often, a fallback only: at 1,000 workers a 5 s poll alone is 200 requests a second.
     weight_poll_s: float = runtime(30.0)
+    # Partial rollouts (engine.kind vllm): a new weight version pauses the generations in
+    # flight and they resume under it, instead of the version waiting for them to end; each
+    # token records the version that produced it, and staleness counts a record's oldest token.
+    partial: bool = False
     # Which policies each worker hosts, pool by pool (workers 0..n0-1 the first pool, ...);
     # empty: every worker hosts every policy. The pools' workers add up to `workers`.
     pools: tuple[PoolConfig, ...] = ()

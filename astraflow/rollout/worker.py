@@ -86,7 +86,8 @@ def build_engines(run: RunDir, policies: list[str]) -> dict[str, Any]:
         return {p: ENGINES[e.kind](str(wait_for_model(run.path, cfg, p)), max_batch=e.max_batch, threads=e.threads,
                                    seed=cfg.run.seed, batch_wait_s=e.batch_wait_ms / 1e3, dtype=e.dtype,
                                    max_model_len=e.max_model_len, gpu_memory_utilization=e.gpu_memory_utilization,
-                                   tensor_parallel_size=e.tensor_parallel_size, enforce_eager=e.enforce_eager)
+                                   tensor_parallel_size=e.tensor_parallel_size, enforce_eager=e.enforce_eager,
+                                   **({"partial": True} if cfg.rollout.partial else {}))
                 for p in policies}
 
 

@@ -109,7 +109,7 @@ class Sequence:
         self.tokens.append(np.asarray(completion.tokens, np.int32))
         self.logprobs.append(np.asarray(completion.logprobs, np.float32))
         self.owner.append(np.full(n, policy_index, np.int8))
-        self.versions.append(np.full(n, completion.version, np.int32))
+        self.versions.append(completion.token_versions())
 
     @property
     def ids(self) -> list[int]:

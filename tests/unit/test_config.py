@@ -77,6 +77,9 @@ def test_choices_are_listed():
         parse_config(BASE_CONFIG, overrides=["weights.channel=nccl"])
     with pytest.raises(ConfigError, match=r"rollout.weight_poll_s: expected > 0, got 0.0"):
         parse_config(BASE_CONFIG, overrides=["rollout.weight_poll_s=0"])
+    with pytest.raises(ConfigError, match=r"rollout.partial: .*only the continuous engine.*engine.kind is 'hf'"):
+        parse_config(BASE_CONFIG, overrides=["rollout.partial=true", "engine.kind=hf"])
+    assert parse_config(BASE_CONFIG, overrides=["rollout.partial=true", "engine.kind=vllm"]).rollout.partial
 
 
 def test_duplicate_policy_rejected():

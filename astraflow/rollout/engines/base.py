@@ -5,9 +5,12 @@ them together (that is how one worker runs many episodes at once). New weights c
 Hugging Face directory (`load_weights`: a model's starting weights) or as an in-memory state
 dict with Hugging Face names (`load_state`: what the weight channel delivers, already read
 and verified; a tied lm_head may be absent), with the names of the tensors that differ from
-what the engine holds (`changed`; None: all) so that an engine copies only those. Either happens between batches, never inside
-one, so every token of one `generate` call has one version; an episode that spans a reload
-carries both versions in its per-token record.
+what the engine holds (`changed`; None: all) so that an engine copies only those. Either
+happens between batches, never inside one, so every token of one `generate` call has one
+version — except in partial rollouts (the `vllm` engine with `partial`): there a new version
+pauses the generations in flight, goes in, and they resume under it, so one completion's
+tokens carry the versions that produced them (`Completion.versions`). An episode that spans a
+reload carries both versions in its per-token record either way.
 
 `logprobs[i]` is the log-probability of `tokens[i]` under the distribution the token was
 sampled from (softmax of logits / temperature) — the behaviour policy the trainer corrects for.
@@ -41,10 +44,17 @@ class SamplingParams:
 class Completion:
     tokens: np.ndarray  # int32, ends with a stop token unless cut at max_tokens
     logprobs: np.ndarray  # float32, same length
-    version: int  # weight version that generated every token of it
+    version: int  # weight version of its last token (of every token, unless `versions` says otherwise)
     finished: bool  # ended with a stop token
     decoded: int = 0  # tokens the engine decoded for it (more than len(tokens) with ignore_eos)
     aborted: bool = False  # stopped by `abort` (the vllm engine): the tokens generated until then
+    # int32, same length: the version of each token, where they differ (a partial rollout
+    # resumed under a newer version); None: every token is `version`'s
+    versions: np.ndarray | None = None
+
+    def token_versions(self) -> np.ndarray:
+        """The weight version of each token."""
+        return np.full(len(self.tokens), self.version, np.int32) if self.versions is None else self.versions
 
 
 class Engine(Protocol):

@@ -54,7 +54,7 @@ class VLLMBatchEngine(BatchingEngine):
                     results[i] = one
             else:
                 for i, sample in zip(ids, out.outputs):
-                    results[i] = sampled(sample, p, self.version)
+                    results[i] = sampled([(sample, self.version)], p)
         return results
 
     def read_weights(self, path: Path) -> dict | Path:

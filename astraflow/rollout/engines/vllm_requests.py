@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -83,13 +84,18 @@ def vllm_params(p: SamplingParams, n: int = 1, **extra):
                      detokenize=False, skip_clone=True, **extra)
 
 
-def sampled(sample, p: SamplingParams, version: int, aborted: bool = False) -> Completion:
-    """One sampled completion, cut after its first stop token (decoded past it with ignore_eos)."""
-    decoded = np.asarray(sample.token_ids, np.int32)
+def sampled(parts: list[tuple[Any, int]], p: SamplingParams, aborted: bool = False) -> Completion:
+    """One sampled completion from vLLM's outputs of its parts, each generated under one
+    version ((sample, version); more than one where a partial rollout resumed), cut after its
+    first stop token (decoded past it with ignore_eos)."""
+    decoded = np.asarray([t for sample, _ in parts for t in sample.token_ids], np.int32)
     n, finished = stop_cut(decoded, p.stop)
-    steps = sample.logprobs or []
-    logprobs = np.array([step[t].logprob for step, t in zip(steps[:n], sample.token_ids[:n])], np.float32)
-    return Completion(decoded[:n], logprobs, version, finished, len(decoded), aborted)
+    steps = [(step, t) for sample, _ in parts for step, t in zip(sample.logprobs or [], sample.token_ids)]
+    logprobs = np.array([step[t].logprob for step, t in steps[:n]], np.float32)
+    versions = np.concatenate([np.full(len(sample.token_ids), v, np.int32) for sample, v in parts])[:n]
+    last = parts[-1][1]
+    mixed = len(parts) > 1 and bool((versions != last).any())
+    return Completion(decoded[:n], logprobs, last, finished, len(decoded), aborted, versions if mixed else None)
 
 
 def scored(steps: list[dict], p: SamplingParams, version: int) -> Completion:
