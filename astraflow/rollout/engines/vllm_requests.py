@@ -6,6 +6,12 @@ Token ids in, token ids out (`skip_tokenizer_init`): AstraFlow owns tokenization
 are vLLM's *processed* logprobs — after temperature, the distribution the token was
 actually sampled from (the default, raw logprobs, would be wrong for temperature != 1).
 Forced tokens (a reference answer to score) go in as prompt tokens with prompt logprobs.
+vLLM leaves prompt logprobs at temperature 1: at T = 1 the forced token's own logprob is what
+is needed (`prompt_logprobs=0`); at any other T the whole vocabulary's are asked for and
+re-tempered here (log_softmax(logprobs / T) equals log_softmax(logits / T)). That costs a
+Python dict of the vocabulary per prompt position in vLLM's output processing: with a 4k
+vocabulary and 80-token prompts it took most of a worker's time, so sample at T = 1 where
+reference guidance meets a large vocabulary.
 
 New weights empty vLLM's prefix cache (`prefix_cache_emptied`): vLLM keeps the KV blocks of
 every full block of prompt it has seen, keyed by the tokens alone, and reuses them for any
@@ -13,12 +19,6 @@ later prompt that starts the same way. Across a weight version those blocks hold
 weights' keys and values: a 256-token prompt seen before a swap was continued on the stale
 cache, its logprobs 0.34 off the new weights' (a chat template's system prompt is such a
 shared prefix for every request of a real run).
-vLLM leaves prompt logprobs at temperature 1: at T = 1 the forced token's own logprob is what
-is needed (`prompt_logprobs=0`); at any other T the whole vocabulary's are asked for and
-re-tempered here (log_softmax(logprobs / T) equals log_softmax(logits / T)). That costs a
-Python dict of the vocabulary per prompt position in vLLM's output processing: with a 4k
-vocabulary and 80-token prompts it took most of a worker's time, so sample at T = 1 where
-reference guidance meets a large vocabulary.
 
 CPU defaults (each overridable by the environment): a 1 GiB KV cache, the offline engine's
 core in its process (one fewer process on a small machine; the async engine's core runs in a
@@ -31,6 +31,7 @@ the machine's noise). Read when torch's dynamo config is first imported, which v
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -90,11 +91,12 @@ def sampled(parts: list[tuple[Any, int]], p: SamplingParams, aborted: bool = Fal
     first stop token (decoded past it with ignore_eos)."""
     decoded = np.asarray([t for sample, _ in parts for t in sample.token_ids], np.int32)
     n, finished = stop_cut(decoded, p.stop)
-    steps = [(step, t) for sample, _ in parts for step, t in zip(sample.logprobs or [], sample.token_ids)]
-    logprobs = np.array([step[t].logprob for step, t in steps[:n]], np.float32)
+    steps = itertools.chain.from_iterable(sample.logprobs or [] for sample, _ in parts)
+    logprobs = np.array([step[t].logprob for step, t in zip(itertools.islice(steps, n), decoded[:n].tolist())],
+                        np.float32)
     versions = np.concatenate([np.full(len(sample.token_ids), v, np.int32) for sample, v in parts])[:n]
-    last = parts[-1][1]
-    mixed = len(parts) > 1 and bool((versions != last).any())
+    last = parts[-1][1]  # versions only grow: the first token's differs from the last's, or none does
+    mixed = n > 0 and versions[0] != last
     return Completion(decoded[:n], logprobs, last, finished, len(decoded), aborted, versions if mixed else None)
 
 
