@@ -1,17 +1,21 @@
 """The GPU checks in one go: one NVIDIA GPU, torch with CUDA, transformers, no vLLM, no network.
 
-    PYTHONPATH=. python3 tools/gpu_check.py [--sizes 0.5b 1.5b] [--seq 4096] [--out gpu_check.json]
+    PYTHONPATH=. python3 tools/gpu_check.py [--sizes 0.5b 1.5b] [--backends torch megatron]
+                                            [--seq 4096] [--out gpu_check.json]
 
 For each model shape (Qwen2.5-shaped, built from config with a locally trained tokenizer, the
 real vocabulary size of 151,936), on the GPU the launcher would assign, in the run's compute
-dtype (bf16 with fp32 master weights and optimizer state):
-- the torch trainer backend: optimizer steps on served batches of `--seq`-token sequences
-  (the last 7/8 of each trained, as completions are), micro-batched by a token budget, with
-  activation checkpointing: tokens/s, model FLOP utilisation against the bf16 dense peak
-  (6·N + 12·layers·hidden·seq FLOPs per token), peak memory;
-- logprob parity: the trainer's chunked bf16 scoring of those sequences against an fp32
-  full-vocabulary pass of the same weights (max and mean |diff|);
-- the hf engine generating on the GPU: tokens/s for `--gen-prompts` prompts × `--gen-tokens`.
+dtype (bf16 with fp32 master weights and optimizer state), for each trainer backend:
+- logprob parity: the backend's scoring (chunked or vocabulary-parallel, bf16) of `--seq`
+  token sequences against an fp32 full-vocabulary pass of the Hugging Face model loaded from
+  the same directory (max and mean |diff|);
+- optimizer steps on served batches of `--seq`-token sequences (the last 7/8 of each
+  trained, as completions are), micro-batched by a token budget, with activation
+  checkpointing (Megatron's full recompute): tokens/s, model FLOP utilisation against the
+  bf16 dense peak (6·N + 12·layers·hidden·seq FLOPs per token), peak memory;
+and once per shape the hf engine generating on the GPU: tokens/s for `--gen-prompts` prompts
+× `--gen-tokens`. Each result is also printed on stderr as soon as it is known, so a run cut
+short still reports what it measured.
 Prints one JSON object (also written to `--out`). `--cpu` runs the same code on the CPU with
 whatever shape is given (the test suite does, with `--sizes tiny`), so the script is known to
 run before a GPU is at hand.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import tempfile
@@ -38,8 +43,8 @@ from astraflow.models.factory import make_model  # noqa: E402
 from astraflow.protocol import messages as m  # noqa: E402
 from astraflow.rollout.engines.base import SamplingParams  # noqa: E402
 from astraflow.rollout.engines.hf import HFEngine  # noqa: E402
-from astraflow.trainer.scoring import sequence_logprobs  # noqa: E402
-from astraflow.trainer.torch_backend import TorchBackend  # noqa: E402
+from astraflow.trainer.batch import TokenBatch  # noqa: E402
+from astraflow.trainer.loop import BACKENDS  # noqa: E402
 
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s, vendors' datasheets
 
@@ -65,17 +70,19 @@ def served_batch(rows: int, seq: int, vocab: int, rng: np.random.Generator) -> m
                         np.ones(rows, np.float32))
 
 
-def train_check(model_dir: Path, seq: int, rows: int, steps: int, micro_rows: int) -> dict:
+def train_check(model_dir: Path, backend_name: str, dtype: str, seq: int, rows: int, steps: int, micro_rows: int) -> dict:
     info = check_model_dir(model_dir)
-    cfg = parse_config(f"policies: [{{name: policy}}]\nengine: {{temperature: 1.0}}\n"
-                       f"trainer: {{batch_size: {rows}, minibatches: 1, max_tokens_per_microbatch: {micro_rows * seq},"
-                       f" activation_checkpointing: true, logprob_chunk_tokens: 2048}}\n")
-    backend = TorchBackend(model_dir, cfg, "policy", 0, 1)
-    params = sum(p.numel() for p in backend.model.parameters())
+    cfg = parse_config(f"policies: [{{name: policy}}]\nengine: {{temperature: 1.0}}\nmodel: {{dtype: {dtype}}}\n"
+                       f"trainer: {{backend: {backend_name}, batch_size: {rows}, minibatches: 1,"
+                       f" max_tokens_per_microbatch: {micro_rows * seq}, activation_checkpointing: true,"
+                       f" logprob_chunk_tokens: 2048}}\n")
     reply = served_batch(rows, seq, info.vocab_size, np.random.default_rng(0))
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    backend = BACKENDS[backend_name](model_dir, cfg, "policy", 0, 1)
+    params = sum(p.numel() for p in backend.model.parameters())
+    parity = parity_check(backend, model_dir, reply, min(seq, 1024))  # before training: the weights on disk
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     backend.train_step(reply, 1, 1e-6)  # warm-up: allocator, kernels
     sync()
     t0 = time.perf_counter()
@@ -86,28 +93,26 @@ def train_check(model_dir: Path, seq: int, rows: int, steps: int, micro_rows: in
     tokens_per_s = rows * seq / seconds
     flops_per_token = 6 * params + 12 * info.layers * info.hidden * seq
     peak = peak_flops()
-    out = {"params": params, "seq": seq, "rows": rows, "micro_rows": micro_rows, "step_s": seconds,
-           "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / peak if peak else None,
-           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-           "loss": stats["loss"], "dtype": str(backend.dtype)}
-    out["parity"] = parity_check(backend, reply, min(seq, 1024))
-    return out
+    return {"params": params, "seq": seq, "rows": rows, "micro_rows": micro_rows, "step_s": seconds,
+            "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / peak if peak else None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            "loss": stats["loss"], "dtype": str(backend.dtype), "parity": parity}
 
 
-def parity_check(backend: TorchBackend, reply: m.BatchReply, length: int) -> dict:
-    """The trainer's scoring in its compute dtype against an fp32 full-vocabulary pass."""
+def parity_check(backend, model_dir: Path, reply: m.BatchReply, length: int) -> dict:
+    """The backend's scoring in its compute dtype against an fp32 full-vocabulary pass of the
+    Hugging Face model in the same directory."""
+    from transformers import AutoModelForCausalLM
+
     t = reply.trajectories
     rows = [t.tokens[t.offsets[i]:t.offsets[i] + length].tolist() for i in range(2)]
-    with torch.autocast(backend.device.type, dtype=backend.dtype, enabled=backend.dtype != torch.float32):
-        ours = sequence_logprobs(backend.model, rows, 1.0)
-    diffs = []
+    ours = backend.score(TokenBatch.of_rows(rows))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).to(backend.device).eval()
     with torch.no_grad():
-        for row, logp in zip(rows, ours):
-            ids = torch.tensor([row], device=backend.device)
-            logits = backend.model(input_ids=ids).logits[0, :-1].float()
-            ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-            diffs.append((logp.float() - ref).abs())
-    d = torch.cat(diffs)
+        ids = torch.tensor(rows, device=backend.device)
+        ref = torch.log_softmax(hf(input_ids=ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    del hf
+    d = (ours - ref.reshape(-1).cpu()).abs()
     return {"max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()), "tokens": len(d)}
 
 
@@ -133,11 +138,14 @@ def generation_check(model_dir: Path, prompts: int, new_tokens: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["0.5b", "1.5b"], help="qwen2.5 shapes (tiny, small on a CPU)")
+    p.add_argument("--backends", nargs="+", default=["torch", "megatron"], choices=sorted(BACKENDS))
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="model.dtype (auto: bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--rows", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--micro-rows", type=int, default=4, help="sequences per micro-batch (the token budget / seq)")
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
-    p.add_argument("--gen-prompts", type=int, default=64)
+    p.add_argument("--gen-prompts", type=int, default=64, help="0: no generation check")
     p.add_argument("--gen-tokens", type=int, default=256)
     p.add_argument("--cpu", action="store_true", help="allow running without a GPU (small shapes only)")
     p.add_argument("--out", help="also write the JSON here")
@@ -151,21 +159,26 @@ def main() -> int:
             t0 = time.perf_counter()
             model_dir = make_model("qwen2.5", size, Path(tmp) / size, corpus=["What is 12 + 7? \\boxed{19}"])
             result: dict = {"build_s": time.perf_counter() - t0}
-            for name, check in (("train", lambda: train_check(model_dir, args.seq, args.rows, args.steps, args.micro_rows)),
-                                ("generate", lambda: generation_check(model_dir, args.gen_prompts, args.gen_tokens))):
+            checks = [(f"train_{b}", lambda b=b: train_check(model_dir, b, args.dtype, args.seq, args.rows, args.steps,
+                                                             args.micro_rows)) for b in args.backends]
+            if args.gen_prompts:
+                checks.append(("generate", lambda: generation_check(model_dir, args.gen_prompts, args.gen_tokens)))
+            for name, check in checks:
                 try:
                     result[name] = check()
                 except Exception as e:  # noqa: BLE001 - one failed check must not hide the others
                     result[name] = {"error": f"{type(e).__name__}: {e}"}
+                gc.collect()  # the backend of one check is gone before the next is built
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
+                print(json.dumps({size: {name: result[name]}}), file=sys.stderr, flush=True)
             report["results"][size] = result
-            print(json.dumps({size: result}), file=sys.stderr, flush=True)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
-    return 0 if all("error" not in r[k] for r in report["results"].values() for k in ("train", "generate")) else 1
+    return 0 if all("error" not in v for r in report["results"].values() for v in r.values() if isinstance(v, dict)) \
+        else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The prepared GPU check (`tools/gpu_check.py`): its code runs here on the CPU with a tiny
 shape, so the minutes on a GPU machine go to measuring, not debugging; on a machine with CUDA
-the full check runs (0.5B- and 1.5B-shaped models at 4k tokens, bf16)."""
+the full check runs (0.5B- and 1.5B-shaped models at 4k tokens, bf16, both trainer backends)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +23,9 @@ def test_the_gpu_check_runs_on_a_cpu_with_a_tiny_shape():
     report = run_check("--sizes", "tiny", "--seq", "64", "--rows", "4", "--micro-rows", "2", "--steps", "1",
                        "--gen-prompts", "4", "--gen-tokens", "8", "--cpu", timeout=300)
     tiny = report["results"]["tiny"]
-    assert tiny["train"]["tokens_per_s"] > 0 and tiny["train"]["parity"]["max_abs_diff"] < 1e-4  # fp32 here
+    for backend in ("torch", "megatron"):
+        train = tiny[f"train_{backend}"]
+        assert train["tokens_per_s"] > 0 and train["parity"]["max_abs_diff"] < 1e-4, backend  # fp32 here
     assert tiny["generate"]["tokens_per_s"] > 0 and report["device"].startswith("cpu")
 
 
@@ -34,5 +36,7 @@ def test_the_gpu_check_on_a_gpu():
         pytest.skip("no CUDA device")
     report = run_check("--out", "gpu_check.json", timeout=900)
     for size, result in report["results"].items():
-        assert result["train"]["mfu"] is None or result["train"]["mfu"] > 0.05, size
-        assert result["train"]["parity"]["max_abs_diff"] < 0.5, size  # bf16 against fp32
+        for backend in ("torch", "megatron"):
+            train = result[f"train_{backend}"]
+            assert train["mfu"] is None or train["mfu"] > 0.03, (size, backend)  # megatron: 0.054 at 0.5b
+            assert train["parity"]["max_abs_diff"] < 0.5, (size, backend)  # bf16 against fp32

@@ -172,3 +172,52 @@ def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, t
     # the checkpoint: a file per tensor-parallel rank, loaded back bit for bit
     assert got["loaded_step"] == 4 and got["files"] == [f"tp{r}-pp0.pt" for r in range(tp)]
     assert [k for k in got["after"] if not torch.equal(got["reloaded"][k], got["after"][k])] == []
+
+
+
+def bf16_main(model_dir: str, out: str) -> None:
+    """A group of one in bf16 with Megatron's full recompute: score, two steps, a checkpoint
+    saved, a third step, the checkpoint loaded back."""
+    from astraflow.trainer.megatron.backend import MegatronBackend
+
+    torch.set_num_threads(1)
+    cfg = config("megatron")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"),
+                              trainer=dataclasses.replace(cfg.trainer, activation_checkpointing=True))
+    backend = MegatronBackend(Path(model_dir), cfg, "policy", 0, 1)
+    params = dict(backend.model.named_parameters())
+    result = {"dtypes": {p.dtype for p in params.values()}, "logp": backend.score(score_rows(backend.spec.vocab)),
+              "masters_before": {k: v.clone() for k, v in backend.optim.master_state().items()}}
+    result["stats"] = backend.train_step(served_batch(backend.spec.vocab), 4, LR)
+    backend.train_step(served_batch(backend.spec.vocab, seed=1), 5, LR)
+    result["masters"] = {k: v.clone() for k, v in backend.optim.master_state().items()}
+    result["params"] = {k: p.detach().clone() for k, p in params.items()}
+    ckpt = backend.save(Path(out).parent / "checkpoints", 5)
+    backend.train_step(served_batch(backend.spec.vocab, seed=2), 6, LR)
+    backend.load(ckpt)
+    result["reloaded"] = backend.optim.master_state()
+    result["reloaded_params"] = {k: p.detach().clone() for k, p in params.items()}
+    torch.save(result, out)
+
+
+def test_megatron_in_bf16_trains_bf16_parameters_from_fp32_masters(model_dir, torch_reference, tmp_path):
+    """bf16 parameters (as Megatron runs them: its recompute re-runs layers outside autocast)
+    stepped through fp32 masters: the masters move by less than a bf16 ulp can show, the
+    parameters are the masters rounded, and a checkpoint keeps the masters bit for bit."""
+    proc = mp.get_context("spawn").Process(target=bf16_main, args=(str(model_dir), str(tmp_path / "bf16.pt")))
+    proc.start()
+    proc.join(RANK_TIMEOUT_S)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 0
+    got = torch.load(tmp_path / "bf16.pt", weights_only=False)
+    assert got["dtypes"] == {torch.bfloat16}
+    assert (got["logp"] - torch_reference["logp"]).abs().max().item() < 0.05  # bf16 against the fp32 HF pass
+    assert got["stats"]["loss"] == pytest.approx(torch_reference["stats"]["loss"], abs=1e-3)
+    assert got["stats"]["grad_norm"] == pytest.approx(torch_reference["stats"]["grad_norm"], rel=0.05)
+    masters, before = got["masters"], got["masters_before"]
+    assert all(v.dtype == torch.float32 for v in masters.values())
+    assert max((masters[k] - before[k]).abs().max().item() for k in masters) > LR / 2
+    assert [k for k, p in got["params"].items() if not torch.equal(p, masters[k].to(torch.bfloat16))] == []
+    assert [k for k in masters if not torch.equal(got["reloaded"][k], masters[k])] == []
+    assert [k for k in masters if not torch.equal(got["reloaded_params"][k], got["params"][k])] == []

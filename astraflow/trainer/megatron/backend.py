@@ -11,9 +11,11 @@ This backend's part of a step: gradients accumulate locally over micro-batches, 
 averaged over the data-parallel group (one all-reduce per parameter, on the minibatch's last
 micro-batch), clipped by their global norm (the squares of tensor-parallel shards summed over
 the tensor-parallel group, replicated parameters counted once), and `torch.optim.AdamW`
-steps (fp32 master weights; Megatron's optimizer needs a GPU; its distributed optimizer is
-not used yet). Forward and backward run under autocast in the compute dtype, as in the
-torch backend; `trainer.activation_checkpointing` is Megatron's full recompute.
+steps fp32 master weights (`master.py`; Megatron's own optimizer needs a GPU, and its
+distributed optimizer is not used yet). The model's parameters are in the compute dtype
+(bf16 on a GPU), as Megatron runs them, not fp32 under autocast: Megatron's activation
+recompute (`trainer.activation_checkpointing`: full recompute) re-runs layers outside any
+autocast region. A checkpoint keeps the fp32 masters.
 
 `hf_state_dict` is the model in HF layout. With tp = 1 every rank holds the whole model and
 converts its own; with tp > 1 it gathers the tensor-parallel shards, a collective called on
@@ -43,10 +45,11 @@ from astraflow.trainer.batch import TokenBatch
 from astraflow.trainer.checkpoint import commit_file, fsync_dir
 from astraflow.trainer.megatron import model as mm
 from astraflow.trainer.megatron.mapping import table, to_hf, to_megatron
+from astraflow.trainer.megatron.master import MasterWeights
 from astraflow.trainer.megatron.scoring import score
 from astraflow.trainer.megatron.spec import ModelSpec
 from astraflow.trainer.scoring import Scores
-from astraflow.trainer.step import compute_autocast, summed, train_step
+from astraflow.trainer.step import summed, train_step
 
 
 def read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -92,7 +95,7 @@ class MegatronBackend:
             self.ref = self._build(hf, False).eval()
             self.ref.requires_grad_(False)
         self.temperature = cfg.engine.temperature
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
+        self.optim = MasterWeights(self.model, self.tcfg.lr, self.tcfg.weight_decay)
 
     def _build(self, hf: dict[str, torch.Tensor], recompute: bool) -> torch.nn.Module:
         model = mm.build_model(self.spec, self.tp, self.dtype, recompute)
@@ -102,7 +105,7 @@ class MegatronBackend:
     # ---------------------------------------------------------------- the step (trainer/step.py)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return compute_autocast(self.device, self.dtype)
+        return contextlib.nullcontext()  # the parameters are in the compute dtype (`master.py`)
 
     def data_sum(self, value: float) -> float:
         return summed(value, self.data_world, self.device, parallel_state.get_data_parallel_group())
@@ -115,7 +118,7 @@ class MegatronBackend:
         return contextlib.nullcontext()  # gradients are synchronised in finish_gradients
 
     def finish_gradients(self) -> float:
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        named = self.optim.named_masters  # fp32: the gradients are accumulated there
         params = [p for _, p in named]
         for p in params:
             if p.grad is None:  # unused in this minibatch: a zero gradient, for the collectives
@@ -171,7 +174,8 @@ class MegatronBackend:
         dist.barrier()
         if self.data_rank == 0:  # the other replicas hold the same model and optimizer state
             part = tmp / f".{self.shard_name}.tmp"
-            torch.save({"model": mm.parameters(self.model), "optim": self.optim.state_dict(), "step": step,
+            weights = {**mm.parameters(self.model), **self.optim.master_state()}  # fp32 masters
+            torch.save({"model": weights, "optim": self.optim.state_dict(), "step": step,
                         "tp": self.tp, "pp": self.pp}, part)
             commit_file(part, tmp / self.shard_name)
         dist.barrier()
@@ -188,6 +192,7 @@ class MegatronBackend:
             raise ValueError(f"{path}: a checkpoint of tp={state.get('tp')}, pp={state.get('pp')}; this trainer "
                              f"has tp={self.tp}, pp={self.pp} (resharding a checkpoint is not built yet)")
         mm.load_shard(self.model, state["model"])
+        self.optim.load_masters(state["model"])
         self.optim.load_state_dict(state["optim"])
         return int(state["step"])
 

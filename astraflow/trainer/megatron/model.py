@@ -3,7 +3,7 @@
 `init_parallel(tp, pp)` sets up megatron's model-parallel groups over the already
 initialised torch.distributed world (data parallelism is what remains: world / (tp × pp)).
 `build_model(spec, tp, dtype)` builds the `GPTModel` of an HF `config.json`
-(`mapping.ModelSpec`) with megatron-core's local layer spec (no TransformerEngine: it runs
+(`mapping.ModelSpec`), its parameters in `dtype`, with megatron-core's local layer spec (no TransformerEngine: it runs
 on a CPU and on any GPU): RMSNorm with the config's eps, SwiGLU MLP, GQA with
 `num_query_groups`, q/k/v biases when the family has them, RoPE with the config's theta,
 tied or untied embeddings, no dropout (the RL loss's ratios compare two forward passes of
@@ -54,7 +54,7 @@ def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype, recompute: 
         num_attention_heads=spec.heads, num_query_groups=spec.kv_heads, kv_channels=spec.head_dim,
         normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, params_dtype=torch.float32, bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=tp, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True, perform_initialization=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, **extra)
@@ -62,9 +62,12 @@ def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype, recompute: 
 
 def build_model(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, recompute: bool = False) -> GPTModel:
     config = transformer_config(spec, tp, dtype, recompute)
-    return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec.padded_vocab(tp),
-                    max_sequence_length=spec.max_positions, position_embedding_type="rope",
-                    rotary_base=spec.rope_theta, share_embeddings_and_output_weights=spec.tied)
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec.padded_vocab(tp),
+                     max_sequence_length=spec.max_positions, position_embedding_type="rope",
+                     rotary_base=spec.rope_theta, share_embeddings_and_output_weights=spec.tied)
+    # the norms (torch's RMSNorm without Apex) ignore params_dtype; Megatron's Float16Module casts
+    # the whole model the same way (the rotary frequencies are no buffer: they stay fp32)
+    return model.to(dtype)
 
 
 def parameters(model: GPTModel) -> dict[str, torch.Tensor]:
