@@ -70,7 +70,8 @@ def served_batch(rows: int, seq: int, vocab: int, rng: np.random.Generator) -> m
                         np.ones(rows, np.float32))
 
 
-def train_check(model_dir: Path, backend_name: str, dtype: str, seq: int, rows: int, steps: int, micro_rows: int) -> dict:
+def train_check(model_dir: Path, backend_name: str, dtype: str, seq: int, rows: int, steps: int,
+                micro_rows: int) -> dict:
     info = check_model_dir(model_dir)
     cfg = parse_config(f"policies: [{{name: policy}}]\nengine: {{temperature: 1.0}}\nmodel: {{dtype: {dtype}}}\n"
                        f"trainer: {{backend: {backend_name}, batch_size: {rows}, minibatches: 1,"
@@ -132,7 +133,8 @@ def generation_check(model_dir: Path, prompts: int, new_tokens: int) -> dict:
     asyncio.run(run())  # warm-up
     seconds = asyncio.run(run())
     engine.close()
-    return {"prompts": prompts, "new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": prompts * new_tokens / seconds}
+    return {"prompts": prompts, "new_tokens": new_tokens, "seconds": seconds,
+            "tokens_per_s": prompts * new_tokens / seconds}
 
 
 def main() -> int:
