@@ -270,6 +270,16 @@ def _bench_restart(args: argparse.Namespace) -> int:
     return 0 if result["recovered_all"] else 1
 
 
+def _bench_scale(args: argparse.Namespace) -> int:
+    from astraflow.bench.scale import run_bench
+
+    result = run_bench(args.clients, args.stored, args.seconds, args.processes, args.tokens, args.gen_s)
+    print(json.dumps(result, indent=None if args.json else 2))
+    for problem in result["problems"]:
+        print(f"astraflow bench scale: {problem}", file=sys.stderr)
+    return 1 if result["problems"] else 0
+
+
 def _env_server(args: argparse.Namespace) -> int:
     from astraflow.environments.server import main as serve
 
@@ -526,6 +536,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=int, default=4, help="tokens per trajectory")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_restart)
+
+    b = bsub.add_parser("scale", help="the dataflow rank under many simulated workers, over many stored trajectories")
+    b.add_argument("--clients", type=int, default=1024, help="simulated rollout workers")
+    b.add_argument("--stored", type=int, default=1_000_000, help="trajectories already in the run's shards")
+    b.add_argument("--seconds", type=float, default=60.0, help="how long the workers run")
+    b.add_argument("--processes", type=int, default=4, help="processes the workers are spread over")
+    b.add_argument("--tokens", type=int, default=64, help="tokens per committed trajectory")
+    b.add_argument("--gen-s", type=float, default=4.0, help="mean generation time of a task (exponential)")
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.set_defaults(fn=_bench_scale)
     return parser
 
 

@@ -2,9 +2,9 @@
 
 Registers with the dataflow rank, keeps `rollout.concurrency` episodes generating (each an
 episode of the task's workflow; the engine batches their generation), commits each finished
-group, heartbeats and renews its leases, and swaps in new weight versions from the
+group, keeps itself and its leases alive, and swaps in new weight versions from the
 filesystem channel between engine batches: it learns of them from its lease and commit
-replies (`latest`; a slow `Weights` poll besides), reads, verifies and applies them in a
+replies (`latest`; a `Weights` poll only after `rollout.weight_poll_s` without such a reply), reads, verifies and applies them in a
 thread (`weights/reader.py`: a delta when one version behind, the cheaper of the chain and
 the last full version further behind), and hands the engine only the tensors that changed.
 In a local run it also receives versions over the collective channel (`weights/collective.py`,
@@ -15,6 +15,9 @@ engine does not sit idle for both round trips (commits in flight are capped at a
 again). It follows a restarted dataflow rank through the rendezvous file and registers
 again when the rank no longer knows it. On SIGTERM (or Slurm's warning signal, SIGUSR1) it
 hands its leases back and exits.
+
+Keep-alive traffic is only what silence needs (`keepalive.py`): a `Heartbeat` after an
+interval without an answered request, a `Renew` for leases an interval old.
 
 Every acknowledged commit is a line of `logs/acks-<worker>.jsonl` (task, status, sample ids):
 the worker's own ledger, which audits compare with the shards. Every episode that failed on
@@ -55,6 +58,7 @@ from astraflow.protocol.aclient import AsyncClient, follow
 from astraflow.protocol.backoff import Backoff
 from astraflow.protocol.client import moved_to, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
+from astraflow.rollout.keepalive import keepalive_due
 from astraflow.rollout.engines import ENGINES, import_library
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.slurm.env import partition, rollout_worker_id
@@ -116,6 +120,9 @@ class RolloutWorker:
         self.own_engines = engines is None
         self.worker_id = ""
         self.inflight: dict[int, asyncio.Task] = {}  # leased tasks until committed or handed back
+        self.leased_at: dict[int, float] = {}  # task -> when its lease was granted or last renewed (monotonic)
+        self.last_contact = time.monotonic()  # the last answered request
+        self.last_latest = 0.0  # the last reply that named the published versions (monotonic)
         self.generating: set[int] = set()  # ... of which the episode still runs: these hold the slots
         self.slot_freed = asyncio.Event()
         self.stopping = False
@@ -146,6 +153,7 @@ class RolloutWorker:
                         await self.register()
                 request = make()
                 reply = await self.client.call(request)
+                self.last_contact = time.monotonic()
                 self.notice(getattr(reply, "latest", {}))
                 return reply
             except TimeoutError:
@@ -180,6 +188,8 @@ class RolloutWorker:
     def notice(self, latest: dict[str, int]) -> None:
         """Wake the weights loop when a lease or commit reply names a version not loaded yet
         (and not refused as damaged: that one waits for the poll)."""
+        if latest:
+            self.last_latest = time.monotonic()
         for policy, engine in self.engines.items():
             if latest.get(policy, -1) > engine.version and latest[policy] != self.refused.get(policy):
                 self.newer_weights.set()
@@ -195,11 +205,16 @@ class RolloutWorker:
 
     # ------------------------------------------------------------- loops
     async def heartbeat_loop(self) -> None:
+        every = min(self.heartbeat_s, self.cfg.dataflow.lease_s / 3)
         while True:
-            await asyncio.sleep(min(self.heartbeat_s, self.cfg.dataflow.lease_s / 3))
-            await self.rpc(lambda: m.Heartbeat(self.worker_id, self.versions()))
-            if self.inflight:
-                await self.rpc(lambda: m.Renew(self.worker_id, list(self.inflight)))
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            heartbeat, due = keepalive_due(now, self.last_contact, self.leased_at, every)
+            if heartbeat:
+                await self.rpc(lambda: m.Heartbeat(self.worker_id, self.versions()))
+            if due:
+                await self.rpc(lambda: m.Renew(self.worker_id, due))
+                self.leased_at.update(dict.fromkeys(due, now))
 
     async def follow_loop(self) -> None:
         """Reconnect as soon as a restarted rank publishes its new address (`aclient.follow`:
@@ -226,11 +241,21 @@ class RolloutWorker:
                     await self.take(policy, engine, *arrived)
                 if reply.version > engine.version:
                     await self.load(policy, engine, reply)
-            try:
-                await asyncio.wait_for(self.newer_weights.wait(), self.cfg.rollout.weight_poll_s)
-            except TimeoutError:
-                pass
+            await self.until_weights_worth_asking()
             self.newer_weights.clear()
+
+    async def until_weights_worth_asking(self) -> None:
+        """Until a reply names a newer version, or for `weight_poll_s` without any reply that
+        names versions (a worker that leases and commits hears of each version anyway), or a
+        damaged version waits to be asked for again."""
+        poll_s = self.cfg.rollout.weight_poll_s
+        while True:
+            try:
+                await asyncio.wait_for(self.newer_weights.wait(), poll_s)
+                return
+            except TimeoutError:
+                if self.refused or time.monotonic() - self.last_latest >= poll_s:
+                    return
 
     async def load(self, policy: str, engine, reply: m.WeightsReply) -> None:
         """Bring the engine to a new version (`weights/follower.py`: in a thread, a delta, a
@@ -356,6 +381,7 @@ class RolloutWorker:
     async def lease_loop(self) -> None:
         while not self.stopping:
             for tid in [t for t, task in self.inflight.items() if task.done()]:
+                self.leased_at.pop(tid, None)
                 self.inflight.pop(tid).result()  # re-raises a workflow bug instead of hiding it
             concurrency = self.cfg.rollout.concurrency
             free = min(concurrency - len(self.generating), 2 * concurrency - len(self.inflight))
@@ -368,6 +394,7 @@ class RolloutWorker:
                 reply = await self.rpc(lambda: m.Lease(self.worker_id, free, held))
                 for task in reply.tasks:
                     self.generating.add(task.task_id)
+                    self.leased_at[task.task_id] = time.monotonic()
                     self.inflight[task.task_id] = asyncio.get_running_loop().create_task(self.episode(task))
                 if reply.reason == "exhausted" and not self.inflight:
                     log.info("no tasks left: done after %d commits", self.committed)
