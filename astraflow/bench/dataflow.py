@@ -60,7 +60,7 @@ TRAINER_STEPS = 1 << 30
 CONFIG = """
 run: {{name: bench-dataflow, seed: 0}}
 dataflow: {{interface: loopback, lease_s: 120, heartbeat_timeout_s: 120}}
-store: {{compression: {compression}, shard_max_mb: 2048}}
+store: {{compression: {compression}, shard_max_mb: 2048, fsync: {fsync}}}
 tasks: {{kind: arithmetic, group_size: {group}, heldout: 0, max_operand: 40}}
 trainer: {{steps: {steps}, batch_size: {batch}}}
 policies:
@@ -68,9 +68,10 @@ policies:
 """
 
 
-def bench_config(compression: str = "none") -> str:
+def bench_config(compression: str = "none", fsync: str = "true") -> str:
     """The bench run's config.yaml."""
-    return CONFIG.format(compression=compression, group=GROUP, capacity=1 << 20, steps=TRAINER_STEPS, batch=BATCH)
+    return CONFIG.format(compression=compression, fsync=fsync, group=GROUP, capacity=1 << 20, steps=TRAINER_STEPS,
+                         batch=BATCH)
 
 
 # The load generators run at a lower priority than the dataflow rank they load, as they
@@ -218,10 +219,10 @@ def _ceilings(tokens: int, tmp: Path) -> dict[str, float]:
 
 
 def run_bench(workers: int = 8, clients_per_process: int = 8, seconds: float = 20.0, tokens: int = 1024,
-              compression: str = "none", run_dir: str | None = None) -> dict:
+              compression: str = "none", fsync: str = "true", run_dir: str | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="astraflow-bench-"))
     cfg = tmp / "bench.yaml"
-    cfg.write_text(bench_config(compression))
+    cfg.write_text(bench_config(compression, fsync))
     run = RunDir.create(Path(run_dir) if run_dir else tmp / "run", cfg)
     log = open(run.path / "logs" / "dataflow.log", "w")
     rank = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "dataflow", "--run-dir", str(run.path)],
@@ -258,7 +259,7 @@ def run_bench(workers: int = 8, clients_per_process: int = 8, seconds: float = 2
     policy = status["policies"]["policy"]
     result = {
         "workers": workers, "clients_per_process": clients_per_process, "tokens": tokens, "group": GROUP,
-        "seconds": seconds, "compression": compression,
+        "seconds": seconds, "compression": compression, "fsync": fsync,
         "trajectories_committed": committed,
         "trajectories_verified": consumer["verified"], "checksum_failures": consumer["bad"],
         "consumer_steps": consumer["steps"], "consumer_stopped": consumer["stopped"],

@@ -61,7 +61,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     result = run_bench(workers=args.workers, clients_per_process=args.clients_per_process,
                        seconds=args.seconds, tokens=args.tokens, compression=args.compression,
-                       run_dir=args.run_dir)
+                       fsync=args.fsync, run_dir=args.run_dir)
     print(json.dumps(result, indent=None if args.json else 2))
     for problem in result["problems"]:
         print(f"astraflow bench dataflow: {problem}", file=sys.stderr)
@@ -439,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=int, default=1024, help="tokens per trajectory (default: %(default)s)")
     b.add_argument("--compression", choices=("none", "lzf", "gzip"), default="none",
                    help="shard compression (default: %(default)s)")
+    b.add_argument("--fsync", choices=("true", "false"), default="true",
+                   help="store.fsync: fsync the shard and the journal at every flush (default: %(default)s)")
     b.add_argument("--run-dir", help="keep the run here (default: a temporary directory)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench)
