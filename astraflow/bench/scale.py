@@ -7,8 +7,8 @@ workers over the real protocol, spread over `processes` processes. A simulated w
 real worker's message pattern without a model: Register; Lease for its free slots
 (`CONCURRENCY`); each leased task "generates" for an exponential time of mean `gen_s`, then
 is committed as a group of `GROUP` trajectories of `tokens` tokens; keep-alive exactly as the
-real worker (`rollout/keepalive.py`: a Renew for leases an interval old, a Heartbeat only
-after a silent interval); a Weights poll only after `rollout.weight_poll_s` without a reply
+real worker (`rollout/keepalive.py`: a Renew for leases half their term old, a Heartbeat
+only after a silent interval); a Weights poll only after `rollout.weight_poll_s` without a reply
 naming the versions; an empty lease waits what the reply says, with the worker's backoff.
 One consumer takes a trainer's part: it asks for the next step's batch as soon as the last
 one is acknowledged.
@@ -60,7 +60,7 @@ TARGETS = {"commit_p99_ms": 250.0, "no_work_fraction": 0.05, "dataflow_peak_rss_
 
 CONFIG = """
 run: {{name: bench-scale, seed: 0}}
-dataflow: {{interface: loopback, heartbeat_timeout_s: {heartbeat_timeout_s}}}
+dataflow: {{interface: loopback, heartbeat_timeout_s: {heartbeat_timeout_s}, lease_s: {lease_s}}}
 store: {{shard_max_mb: 1024}}
 tasks: {{kind: arithmetic, group_size: {group}, heldout: 0, max_operand: 40}}
 trainer: {{steps: {steps}, batch_size: {batch}}}
@@ -74,6 +74,7 @@ class SimWorker:
     conn: Client
     worker_id: str
     every: float  # keep-alive interval (the rank's heartbeat interval)
+    lease_s: float
     last_contact: float
     next_keepalive: float
     last_latest: float
@@ -105,7 +106,7 @@ class Load:
             reply = conn.call(m.Register(m.PROTOCOL_VERSION, f"sim-{index}-{i}", ["policy"], capacity=CONCURRENCY))
             self._count("register", time.perf_counter() - t0)
             every = min(reply.heartbeat_s, reply.lease_s / 3)
-            self.sims.append(SimWorker(conn, reply.worker_id, every, now, now + every, now))
+            self.sims.append(SimWorker(conn, reply.worker_id, every, reply.lease_s, now, now + every, now))
 
     def _count(self, kind: str, latency: float) -> None:
         self.latencies[kind].append(latency)
@@ -115,7 +116,7 @@ class Load:
         """The request `s` sends now, or when it next has one to send."""
         if now >= s.next_keepalive:
             s.next_keepalive += s.every
-            heartbeat, renew = keepalive_due(now, s.last_contact, s.leased_at, s.every)
+            heartbeat, renew = keepalive_due(now, s.last_contact, s.leased_at, s.every, s.lease_s / 2)
             if renew:
                 return "renew", m.Renew(s.worker_id, renew)
             if heartbeat:
@@ -247,10 +248,10 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 def run_bench(clients: int = 1024, stored: int = 1_000_000, seconds: float = 60.0, processes: int = 4,
               tokens: int = 64, gen_s: float = 4.0, poll_s: float = 30.0, heartbeat_timeout_s: float = 30.0,
-              keep: bool = False) -> dict:
+              lease_s: float = 60.0, keep: bool = False) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="astraflow-scale-"))
     (tmp / "scale.yaml").write_text(CONFIG.format(group=GROUP, steps=1 << 30, batch=BATCH, capacity=1 << 30,
-                                                  heartbeat_timeout_s=heartbeat_timeout_s))
+                                                  heartbeat_timeout_s=heartbeat_timeout_s, lease_s=lease_s))
     run = RunDir.create(tmp / "run", tmp / "scale.yaml")
     consumed = stored // BATCH * BATCH
     t0 = time.perf_counter()

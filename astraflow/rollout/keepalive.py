@@ -1,17 +1,19 @@
 """What a rollout worker sends to stay alive at the dataflow rank, and nothing more.
 
 Every answered request tells the rank that the worker lives (the rank marks a worker seen
-on each of its requests), so a lease is renewed only once it is `every` old (an episode
-shorter than that never renews), and a `Heartbeat` is due only after `every` seconds without
-an answered request when no renewal goes out (a `Renew` says the worker lives, too). Checked every `every` seconds, a worker is silent at most 2 × `every`,
-inside the rank's timeout of 3 × `every`. Timers that fire regardless would make most of a
+on each of its requests), so a `Heartbeat` is due only after `every` seconds without an
+answered request when no renewal goes out (a `Renew` says the worker lives, too), and a
+lease is renewed only once it is half its term old (`renew_after`: an episode shorter than
+that never renews). Checked every `every` seconds (at most a third of the lease term), a
+worker is silent at most 2 × `every`, inside the rank's timeout of 3 × `every`, and a lease
+is renewed before 5/6 of its term. Timers that fire regardless would make most of a
 thousand workers' messages carry no work (`astraflow bench scale` counts them).
 """
 from __future__ import annotations
 
 
-def keepalive_due(now: float, last_contact: float, leased_at: dict[int, float], every: float
-                  ) -> tuple[bool, list[int]]:
+def keepalive_due(now: float, last_contact: float, leased_at: dict[int, float], every: float,
+                  renew_after: float) -> tuple[bool, list[int]]:
     """(whether a Heartbeat is due, the leased tasks whose lease is due for renewal)."""
-    renew = [t for t, at in leased_at.items() if now - at >= every]
+    renew = [t for t, at in leased_at.items() if now - at >= renew_after]
     return not renew and now - last_contact >= every, renew

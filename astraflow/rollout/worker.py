@@ -17,7 +17,7 @@ again when the rank no longer knows it. On SIGTERM (or Slurm's warning signal, S
 hands its leases back and exits.
 
 Keep-alive traffic is only what silence needs (`keepalive.py`): a `Heartbeat` after an
-interval without an answered request, a `Renew` for leases an interval old.
+interval without an answered request, a `Renew` for leases half their term old.
 
 Every acknowledged commit is a line of `logs/acks-<worker>.jsonl` (task, status, sample ids):
 the worker's own ledger, which audits compare with the shards. Every episode that failed on
@@ -209,7 +209,7 @@ class RolloutWorker:
         while True:
             await asyncio.sleep(every)
             now = time.monotonic()
-            heartbeat, due = keepalive_due(now, self.last_contact, self.leased_at, every)
+            heartbeat, due = keepalive_due(now, self.last_contact, self.leased_at, every, self.cfg.dataflow.lease_s / 2)
             if heartbeat:
                 await self.rpc(lambda: m.Heartbeat(self.worker_id, self.versions()))
             if due:

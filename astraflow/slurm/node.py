@@ -5,8 +5,10 @@ these per task. After the MPI bootstrap (see bootstrap.py) each becomes the supe
 its role's component, restarting it with backoff like the local launcher does:
 - het group 0: the dataflow rank (its task also prepares the model, watches for the end of
   the run, evaluates and writes `summary.json`, and runs the elastic controller);
-- het group 1: one trainer rank per task, `trainer.world` consecutive tasks per policy; the
-  ranks of a group restart together through a `GroupGeneration` in `rendezvous/`;
+- het group 1: one trainer rank per task, `trainer.world` consecutive tasks per policy; a
+  group's torch.distributed store is a TCP store at its rank 0's node and port, published in
+  the bootstrap records (endpoint.py); the ranks of a group restart together through a
+  `GroupGeneration` in `rendezvous/`;
 - het group 2: one rollout worker per task, id `<job>.<procid>`, supervised like an array
   task's (`arrays.supervise_rollout`).
 With `weights.channel` collective (or auto), each policy's trainer rank 0 and the rollout
@@ -35,6 +37,7 @@ from astraflow.protocol.client import wait_rendezvous
 from astraflow.slurm.arrays import supervise_rollout
 from astraflow.slurm.bootstrap import bootstrap
 from astraflow.slurm.elastic import ElasticController
+from astraflow.slurm.endpoint import MASTER_ENV, endpoint, group_master
 from astraflow.slurm.env import SlurmTask, current_task
 from astraflow.slurm.watch import STOP_TIMEOUT_S, Watch
 from astraflow.weights.groups import launch_env as weight_groups
@@ -56,6 +59,8 @@ class Node:
     def run(self) -> int:
         me = {"procid": self.task.procid, "group": self.task.het_group, "role": self.task.role,
               "partition": self.task.partition, "node": self.task.node}
+        if self.task.role == "trainer":
+            me.update(endpoint())  # where this task's group rendezvouses, if it is its rank 0
         os.environ["ASTRAFLOW_PARTITION"] = self.task.partition  # what the components report
         self.peers, info = bootstrap(me, self.lead)
         if "error" in info:
@@ -151,12 +156,14 @@ class Node:
     def trainer_task(self, run: RunDir) -> int:
         cfg = run.config
         world = cfg.trainer.world
-        policy = cfg.policy_names[self.task.group_rank // world]
-        rank = self.task.group_rank % world
+        index, rank = divmod(self.task.group_rank, world)
+        policy = cfg.policy_names[index]
         self.sup = Supervisor(cfg.launcher.max_restarts, cfg.launcher.backoff_s)
         generation = GroupGeneration(run.path / "rendezvous", f"torch-{policy}-{os.environ['ASTRAFLOW_SESSION']}")
-        comp = self.sup.add(components.trainer(run, policy, [rank], world, generation if world > 1 else None,
-                                               env=weight_groups(cfg, workers=self.rollout_tasks)))
+        env = weight_groups(cfg, workers=self.rollout_tasks)
+        if world > 1:
+            env[MASTER_ENV] = group_master(self.peers, index, world)
+        comp = self.sup.add(components.trainer(run, policy, [rank], world, generation if world > 1 else None, env=env))
         marker = components.finished_marker(run.path)
         return 0 if self.supervise(lambda finished: comp.name in finished or marker.exists()) else EXIT_STOPPED
 

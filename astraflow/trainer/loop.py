@@ -58,6 +58,7 @@ from astraflow.models import wait_for_model
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, moved_to, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
+from astraflow.slurm.endpoint import MASTER_ENV
 from astraflow.slurm.env import partition
 from astraflow.trainer.backend import Backend
 from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, prune_checkpoints
@@ -323,15 +324,19 @@ def run_trainer(run_dir: str, policy: str) -> bool:
     world = int(os.environ.get("ASTRAFLOW_WORLD", str(run.config.trainer.world)))
     torch.set_num_threads(run.config.trainer_for(policy).threads)
     if world > 1:
-        # a fresh file per launch (session) and group start: a FileStore left by a crashed group
-        # or an earlier launch cannot be reused. NCCL between GPUs, gloo on CPUs.
+        # On Slurm a TCP store at rank 0 (slurm/endpoint.py); locally a fresh file per launch
+        # (session) and group start: a FileStore left by a crashed group or an earlier launch
+        # cannot be reused. NCCL between GPUs, gloo on CPUs.
         session = os.environ.get("ASTRAFLOW_SESSION", "manual")
         store = Path(run.path) / "rendezvous" / f"torch-{policy}-{session}-{os.environ.get('ASTRAFLOW_START', '0')}"
+        init = f"tcp://{os.environ[MASTER_ENV]}" if os.environ.get(MASTER_ENV) else f"file://{store}"
         device = hardware.device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        log.info("trainer group of %d: rank %d, %s, rendezvous at %s", world, rank, backend, init)
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
     trainer = Trainer(run, policy, rank, world)
     trainer.run_loop()
     if world > 1:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.analysis.audit import audit
 from astraflow.store.reader import load_rows
 from tests.slurm.conftest import (acknowledged_commits, declared_dead, events, in_queue, kill_tree, launch, launch_cli, node_pids,
                                   sbatch_by_hand, status, summary, trainer_step, wait_for)
@@ -81,10 +82,15 @@ def test_hetjob_runs_on_its_partitions_and_survives_a_killed_rollout_rank(tmp_pa
     assert "Killed" in (run_dir.parent / f"slurm-{job}.out").read_text()
 
 
-def test_a_trainer_group_that_loses_a_rank_restarts_as_a_whole(tmp_path: Path, cancel_jobs):
-    run_dir = tmp_path / "ddp"
+@pytest.mark.parametrize("backend", [["trainer.world=2"], ["trainer.backend=megatron", "trainer.tp=2"]],
+                         ids=["torch-dp2", "megatron-tp2"])
+def test_a_trainer_group_that_loses_a_rank_restarts_as_a_whole(tmp_path: Path, cancel_jobs, backend):
+    """Two trainer tasks form one torch.distributed world through a TCP store at rank 0's node
+    (from the MPI start-up, not a file on the shared filesystem): data parallel with the torch
+    backend, one tensor-parallel model (tp = 2) with the megatron backend."""
+    run_dir = tmp_path / "group"
     cancel_jobs(run_dir)
-    job = launch(run_dir, "trainer.steps=30", "trainer.world=2", "trainer.checkpoint_every=5")
+    job = launch(run_dir, "trainer.steps=30", "trainer.checkpoint_every=5", *backend)
     wait_for("the two-rank trainer under way", lambda: trainer_step(run_dir) >= 6, 150, run_dir)
     record = json.loads((run_dir / "rendezvous" / f"job-{job}.json").read_text())
     assert [t["role"] for t in record["tasks"]].count("trainer") == 2
@@ -101,6 +107,10 @@ def test_a_trainer_group_that_loses_a_rank_restarts_as_a_whole(tmp_path: Path, c
     assert len(ready) >= 2 and all(e["world"] == 2 for e in ready) and ready[-1]["resume_step"] >= 5
     generations = sorted((run_dir / "rendezvous").glob("torch-policy-*.gen*"))
     assert generations, "the group's generation never moved"
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"trainer-policy-r{rank}.log").read_text()
+        assert f"rank {rank}, gloo, rendezvous at tcp://" in log, log[-2000:]
+    assert audit(run_dir)["ok"]
 
 
 def test_scale_out_then_scancel_and_drain_lose_nothing(tmp_path: Path, cancel_jobs):

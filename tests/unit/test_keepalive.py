@@ -1,18 +1,20 @@
 """A worker's keep-alive traffic (`rollout/keepalive.py`): nothing while it talks to the rank
-and its episodes are short; renewals for old leases only; a heartbeat after a silent interval
-when there is nothing to renew."""
+and its episodes are short; renewals only for leases half their term old; a heartbeat after a
+silent interval when there is nothing to renew."""
 from __future__ import annotations
 
 from astraflow.rollout.keepalive import keepalive_due
 
 
 def test_a_busy_worker_with_short_episodes_sends_nothing():
-    assert keepalive_due(100.0, last_contact=99.0, leased_at={1: 95.0, 2: 99.5}, every=10.0) == (False, [])
+    assert keepalive_due(100.0, last_contact=99.0, leased_at={1: 75.0, 2: 99.5}, every=10.0, renew_after=30.0) \
+        == (False, [])
 
 
-def test_a_silent_worker_renews_only_leases_an_interval_old_and_heartbeats_only_without_them():
-    assert keepalive_due(100.0, last_contact=90.0, leased_at={1: 85.0, 2: 95.0, 3: 90.0}, every=10.0) == (False, [1, 3])
-    assert keepalive_due(100.0, last_contact=90.0, leased_at={2: 95.0}, every=10.0) == (True, [])
+def test_a_silent_worker_renews_only_leases_half_their_term_old_and_heartbeats_only_without_them():
+    leased = {1: 65.0, 2: 95.0, 3: 70.0}
+    assert keepalive_due(100.0, last_contact=90.0, leased_at=leased, every=10.0, renew_after=30.0) == (False, [1, 3])
+    assert keepalive_due(100.0, last_contact=90.0, leased_at={2: 95.0}, every=10.0, renew_after=30.0) == (True, [])
 
 
 def test_silence_stays_inside_the_ranks_timeout_when_checked_every_interval():
@@ -21,6 +23,6 @@ def test_silence_stays_inside_the_ranks_timeout_when_checked_every_interval():
     every, contact, longest = 10.0, 0.3, 0.0
     for tick in range(1, 50):
         now = tick * every
-        if keepalive_due(now, contact, {}, every)[0]:
+        if keepalive_due(now, contact, {}, every, renew_after=30.0)[0]:
             longest, contact = max(longest, now - contact), now
     assert 0 < longest < 2 * every
