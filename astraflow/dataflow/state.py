@@ -404,11 +404,11 @@ class DataflowState:
             self.tasks.release(t)
         return len(held)
 
-    def _heartbeat(self, req: m.Heartbeat, now: float) -> m.Ok:
+    def _heartbeat(self, req: m.Heartbeat, now: float) -> m.HeartbeatReply:
         worker = self._worker(req.worker_id, now)
         self._check_versions(req.versions)
         worker.versions = dict(req.versions)
-        return m.Ok()
+        return m.HeartbeatReply(self._latest())
 
     def _check_versions(self, versions: dict[str, int]) -> None:
         """The weights a worker says it runs: known policies, versions no newer than published."""
@@ -477,7 +477,7 @@ class DataflowState:
         for tid in req.task_ids:
             ok = self.tasks.renew(tid, req.worker_id, now, self.cfg.dataflow.lease_s)
             (renewed if ok else lost).append(tid)
-        return m.RenewReply(renewed, lost)
+        return m.RenewReply(renewed, lost, self._latest())
 
     def _release(self, req: m.Release, now: float) -> m.Ok:
         worker = self._worker(req.worker_id, now)

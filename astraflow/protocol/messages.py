@@ -26,8 +26,8 @@ from astraflow.protocol.wire import array_field
 
 # 2: lease and commit replies carry `latest`; 3: `Stopped`; 4: signed header + body frames; 5: chat tasks;
 # 6: `Published` says whether a version is a delta and on which version it depends (`full`, `base`);
-# 7: `Batch.member`
-PROTOCOL_VERSION = 7
+# 7: `Batch.member`; 8: heartbeat and renew replies carry `latest` (`HeartbeatReply`, `RenewReply.latest`)
+PROTOCOL_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -302,6 +302,14 @@ class LeaseReply:
 class RenewReply:
     renewed: list[int]
     lost: list[int]  # expired and handed to someone else, or already committed
+    latest: dict[str, int] = field(default_factory=dict)  # as LeaseReply's
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    # as LeaseReply's: a worker that only heartbeats (long episodes) still hears of new
+    # versions without polling `Weights`
+    latest: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -355,6 +363,6 @@ REQUESTS: dict[str, type] = {
 }
 REPLIES: dict[str, type] = {
     cls.__name__.lower(): cls
-    for cls in (Ok, Error, RegisterReply, LeaseReply, RenewReply, CommitReply, WeightsReply,
+    for cls in (Ok, Error, RegisterReply, HeartbeatReply, LeaseReply, RenewReply, CommitReply, WeightsReply,
                 ReadyReply, BatchReply, StatusReply)
 }
