@@ -175,6 +175,51 @@ def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, t
 
 
 
+def load_main(rank: int, world: int, tp: int, store: str, model_dir: str, ckpt: str, out: str) -> None:
+    """One rank of a group of another data-parallel size: load a checkpoint, gather to HF
+    layout, and take one step (every replica must hold the same model and optimizer state)."""
+    import torch.distributed as dist
+
+    from astraflow.trainer.megatron.backend import MegatronBackend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world), "policy", rank, world)
+    step = backend.load(Path(ckpt))
+    loaded = backend.hf_state_dict()
+    served = share(served_batch(backend.spec.vocab, seed=3), backend.data_rank, backend.data_world)
+    backend.train_step(served, step + 1, LR)
+    stepped = [None] * world
+    dist.all_gather_object(stepped, backend.hf_state_dict())
+    if rank == 0:
+        torch.save({"step": step, "loaded": loaded, "stepped": stepped}, out)
+
+
+def test_a_checkpoint_resumes_on_another_data_parallel_size(model_dir, tmp_path):
+    """Saved by one replica of tp = 2, loaded by two (tp = 2 x dp = 2): every rank holds the
+    saved model, and after a step the replicas still agree (same optimizer state)."""
+    saved = run_ranks(tmp_path, model_dir, tp=2, dp=1)
+    ctx = mp.get_context("spawn")
+    out = tmp_path / "resumed.pt"
+    procs = [ctx.Process(target=load_main, args=(r, 4, 2, str(tmp_path / "store-resume"), str(model_dir),
+                                                 str(tmp_path / "checkpoints" / "step-4"), str(out)))
+             for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(RANK_TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * 4
+    got = torch.load(out, weights_only=False)
+    assert got["step"] == 4
+    assert [k for k in saved["after"] if not torch.equal(got["loaded"][k], saved["after"][k])] == []
+    first = got["stepped"][0]
+    assert max((first[k] - saved["after"][k]).abs().max().item() for k in first) > LR / 2  # it stepped
+    for other in got["stepped"][1:]:
+        assert [k for k in first if not torch.equal(other[k], first[k])] == []
+
+
 def bf16_main(model_dir: str, out: str) -> None:
     """A group of one in bf16 with Megatron's full recompute: score, two steps, a checkpoint
     saved, a third step, the checkpoint loaded back."""
