@@ -6,6 +6,11 @@ restarted as a whole, because a torch.distributed group that lost a rank cannot 
 and gives up after `max_restarts`, naming the component and its log. `stop()` sends SIGTERM,
 waits, then SIGKILLs what is left.
 
+Each component process leads its own session and process group, and once it has exited
+whatever is left in its group is killed: a child it started is not adopted by init and left
+running (vLLM's engine-core process outlived a SIGKILLed rollout worker indefinitely,
+holding its memory, while the restarted worker started another).
+
 A group whose ranks live under different supervisors (a trainer spread over the nodes of a
 Slurm job) shares a `GroupGeneration` in the run directory instead: the first supervisor to
 see a rank fail advances it, every supervisor restarts its rank when it moves, and the ranks
@@ -147,6 +152,8 @@ class Supervisor:
                 continue
             codes = [p.poll() for p in comp.procs]
             if all(c == 0 for c in codes):
+                for p in comp.procs:
+                    kill_leftovers(p)
                 comp.done = True
                 finished.append(comp.name)
                 continue
@@ -196,3 +203,13 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            kill_leftovers(p)
+
+
+def kill_leftovers(p: subprocess.Popen) -> None:
+    """SIGKILL what remains of an exited component's process group (its pgid is its pid: a
+    group id is not reused while the group has members)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left
