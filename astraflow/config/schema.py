@@ -65,7 +65,7 @@ class StoreConfig:
     # fsync the shard and the journal at every flush, before any reply: an acknowledged commit
     # survives a node crash or power loss, not only a killed process (without it, "stored"
     # means "in the page cache"). One fsync per flush covers every request of a loop turn;
-    # it cost 12% of `bench dataflow`'s throughput here. Off only for throwaway runs.
+    # its cost is in docs/benchmarks.md (bench dataflow --fsync). Off only for throwaway runs.
     fsync: bool = True
     # Shards the dataflow rank keeps open for reading back samples (one file descriptor each;
     # the least recently used is closed first). Recovery and serving never hold more, however
