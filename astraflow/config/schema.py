@@ -299,7 +299,7 @@ class SelectionConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     # torch: a Hugging Face model replicated on every rank (data parallel, DDP);
-    # megatron: megatron-core, tensor parallel over `tp` ranks (trainer/megatron/)
+    # megatron: megatron-core, tensor, pipeline and data parallel (trainer/megatron/)
     backend: str = choice("torch", "torch", "megatron")
     steps: int = 50  # training steps; the run ends when every policy has done its steps
     batch_size: int = 64  # samples per step, all ranks together
@@ -319,7 +319,7 @@ class TrainerConfig:
     world: int = 1  # trainer ranks per policy: tp x pp x dp (unset: tp x pp x max(dp, 1))
     # megatron: tensor-parallel ranks, which must divide the attention and kv heads (the tp
     # ranks of a model replica train on the same rows), and pipeline stages, which must divide
-    # the layers (pp > 1 is not built yet); the torch backend has 1 and 1.
+    # the layers (micro-batches through megatron's 1F1B schedule); the torch backend has 1 and 1.
     tp: int = 1
     pp: int = 1  # see tp
     dp: int = 0  # data-parallel replicas; 0: world / (tp x pp)

@@ -70,17 +70,13 @@ def check_inputs(cfg: Config) -> None:
 
 def check_parallel_shape(cfg: Config, heads: int, kv_heads: int, layers: int, model: str) -> None:
     """Tensor parallelism splits attention by heads and kv heads, pipeline parallelism the
-    layers: each must divide. Pipeline parallelism is not built in the megatron backend yet,
-    so pp > 1 is refused after that."""
+    layers: each must divide."""
     t = cfg.trainer
     if heads % t.tp or kv_heads % t.tp:
         raise ConfigError(f"trainer.tp: {t.tp} does not divide the model's {heads} attention heads and {kv_heads} "
                           f"kv heads ({model})")
     if layers % t.pp:
         raise ConfigError(f"trainer.pp: {t.pp} does not divide the model's {layers} layers ({model})")
-    if t.pp > 1:
-        raise ConfigError(f"trainer.pp: {t.pp}: pipeline parallelism is not built yet in the megatron backend; "
-                          f"expected 1")
 
 
 def open_run_checked(run_dir: str | Path, config: str | Path | None, overrides: list[str]) -> RunDir:

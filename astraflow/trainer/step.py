@@ -10,11 +10,15 @@ on all data-parallel ranks, so the gradient does not depend on how rows were cut
 micro-batches or dealt to ranks: each rank divides by the global token count / the
 data-parallel size, and the backend averages gradients over the data-parallel ranks.
 
-What differs between backends is behind `Steppable`: how a micro-batch is scored
-(`scores`), how gradients accumulate without synchronising (`accumulate`), the compute
-precision (`autocast`), sums over data-parallel ranks (`data_sum`), and how the
-accumulated gradients are synchronised and clipped before the optimizer step
-(`finish_gradients`, returning the gradient norm).
+What differs between backends is behind `Steppable`: how a minibatch's micro-batches run
+forward and backward (`schedule`: `Sequential`, one after another, for a model in one
+stage; a pipeline for a model cut into stages, `trainer/megatron/pipeline.py`), sums over
+data-parallel ranks (`data_sum`), and how the accumulated gradients are synchronised and
+clipped before the optimizer step (`finish_gradients`, returning the gradient norm).
+`Sequential` asks the backend how a micro-batch is scored (`scores`), how gradients
+accumulate without synchronising (`accumulate`) and in which precision (`autocast`).
+Every schedule computes a micro-batch's loss with `micro_loss`. Under a pipeline only the
+last stage computes losses: the other stages' loss sums are empty.
 """
 from __future__ import annotations
 
@@ -31,7 +35,6 @@ from astraflow.trainer.loss import LossSums, decoupled_ppo_loss
 from astraflow.trainer.scoring import Scores
 
 
-
 def compute_autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """Autocast in the compute dtype (off in fp32): what each backend's `autocast` returns."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -45,13 +48,10 @@ def summed(value: float, world: int, device: torch.device, group: Any = None) ->
     dist.all_reduce(t, group=group)
     return float(t.item())
 
-class Steppable(Protocol):
+
+class Scoring(Protocol):
+    """What `Sequential` needs of a backend."""
     tcfg: Any  # config.schema.TrainerConfig
-    device: torch.device
-    pad_id: int
-    data_world: int  # data-parallel ranks
-    model: torch.nn.Module
-    optim: torch.optim.Optimizer
 
     def scores(self, batch: TokenBatch, train: bool) -> Scores: ...
 
@@ -59,9 +59,64 @@ class Steppable(Protocol):
 
     def autocast(self) -> contextlib.AbstractContextManager: ...
 
+
+class Schedule(Protocol):
+    def proximal(self, part: list[TokenBatch]) -> list[torch.Tensor | None]:
+        """The logprobs of each micro-batch's trained tokens under the current weights, without
+        gradient (None where this rank computes no loss)."""
+
+    def forward_backward(self, part: list[TokenBatch], prox: list[torch.Tensor | None], normalizer: float
+                         ) -> LossSums:
+        """Forward and backward passes of a minibatch's micro-batches (`prox`: their proximal
+        logprobs, None: the micro-batch's own, detached); the gradients accumulate."""
+
+
+class Steppable(Protocol):
+    tcfg: Any  # config.schema.TrainerConfig
+    device: torch.device
+    pad_id: int
+    data_world: int  # data-parallel ranks
+    model: torch.nn.Module
+    optim: torch.optim.Optimizer
+    schedule: Schedule
+
     def data_sum(self, value: float) -> float: ...
 
     def finish_gradients(self) -> float: ...
+
+
+def micro_loss(tcfg: Any, scores: Scores, prox: torch.Tensor | None, mb: TokenBatch, normalizer: float
+               ) -> tuple[torch.Tensor, LossSums]:
+    """A micro-batch's part of the minibatch's loss (decoupled PPO and the KL term) and its sums."""
+    p = scores.logp.detach() if prox is None else prox
+    loss, sums = decoupled_ppo_loss(scores.logp, p, mb.behaviour_logp, mb.advantages, tcfg.clip_eps, tcfg.is_cap,
+                                    normalizer, scores.entropy)
+    if scores.kl_ref is not None:
+        kl = scores.kl_ref.sum()
+        loss = loss + tcfg.ref_kl * kl / max(normalizer, 1.0)
+        sums.kl_ref = float(kl.detach())
+    return loss, sums
+
+
+class Sequential:
+    """Micro-batches one after another through the backend's `scores`: a model in one stage."""
+
+    def __init__(self, b: Scoring) -> None:
+        self.b = b
+
+    def proximal(self, part: list[TokenBatch]) -> list[torch.Tensor | None]:
+        with torch.no_grad(), self.b.autocast():
+            return [self.b.scores(mb, train=False).logp.float() for mb in part]
+
+    def forward_backward(self, part: list[TokenBatch], prox: list[torch.Tensor | None], normalizer: float
+                         ) -> LossSums:
+        sums = LossSums()
+        for j, mb in enumerate(part):
+            with self.b.accumulate(j == len(part) - 1), self.b.autocast():
+                loss, mb_sums = micro_loss(self.b.tcfg, self.b.scores(mb, train=True), prox[j], mb, normalizer)
+            loss.backward()
+            sums.add(mb_sums)
+        return sums
 
 
 def train_step(b: Steppable, reply: BatchReply, step: int, lr: float) -> dict[str, float]:
@@ -73,9 +128,8 @@ def train_step(b: Steppable, reply: BatchReply, step: int, lr: float) -> dict[st
     parts = [[mb.to(b.device) for mb in micro_batches(reply, np.arange(lo, min(lo + per, n)),
                                                        tcfg.max_tokens_per_microbatch, b.pad_id)]
              for lo in range(0, n, per)]
-    with torch.no_grad(), b.autocast():  # the proximal policy of the later minibatches
-        prox = [[None] * len(part) if k == 0 else [b.scores(mb, train=False).logp.float() for mb in part]
-                for k, part in enumerate(parts)]
+    # the proximal policy of the later minibatches: the weights before the step's first update
+    prox = [[None] * len(part) if k == 0 else b.schedule.proximal(part) for k, part in enumerate(parts)]
     for group in b.optim.param_groups:
         group["lr"] = lr
     sums, grad_norm, lag, trained = LossSums(), 0.0, 0.0, 0
@@ -83,20 +137,9 @@ def train_step(b: Steppable, reply: BatchReply, step: int, lr: float) -> dict[st
         # the token-mean over the minibatch on all ranks; gradients are then averaged over ranks
         normalizer = b.data_sum(sum(mb.tokens for mb in part)) / b.data_world
         b.optim.zero_grad(set_to_none=True)
-        for j, mb in enumerate(part):
-            with b.accumulate(j == len(part) - 1), b.autocast():
-                scores = b.scores(mb, train=True)
-                p = scores.logp.detach() if k == 0 else prox[k][j]
-                loss, mb_sums = decoupled_ppo_loss(scores.logp, p, mb.behaviour_logp, mb.advantages,
-                                                   tcfg.clip_eps, tcfg.is_cap, normalizer, scores.entropy)
-                if scores.kl_ref is not None:
-                    kl = scores.kl_ref.sum()
-                    loss = loss + tcfg.ref_kl * kl / max(normalizer, 1.0)
-                    mb_sums.kl_ref = float(kl.detach())
-            loss.backward()
-            sums.add(mb_sums)
-            lag += float((step - 1 - mb.versions).float().sum())
-            trained += mb.tokens
+        sums.add(b.schedule.forward_backward(part, prox[k], normalizer))
+        lag += sum(float((step - 1 - mb.versions).float().sum()) for mb in part)
+        trained += sum(mb.tokens for mb in part)
         grad_norm = b.finish_gradients()
         b.optim.step()
     stats = {"loss": sums.loss / max(trained, 1), "clip_frac": sums.mean("clipped"),

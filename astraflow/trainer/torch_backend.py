@@ -25,7 +25,7 @@ from astraflow.protocol.messages import BatchReply
 from astraflow.trainer.batch import TokenBatch
 from astraflow.trainer.checkpoint import commit_file
 from astraflow.trainer.scoring import PolicyScorer, Scores
-from astraflow.trainer.step import compute_autocast, summed, train_step
+from astraflow.trainer.step import Sequential, compute_autocast, summed, train_step
 
 
 class TorchBackend:
@@ -52,6 +52,7 @@ class TorchBackend:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = torch.nn.parallel.DistributedDataParallel(self.scorer, device_ids=ids)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
+        self.schedule = Sequential(self)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return compute_autocast(self.device, self.dtype)

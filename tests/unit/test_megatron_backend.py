@@ -1,13 +1,15 @@
 """The megatron trainer backend against the HF model it was loaded from, in real processes
-(tensor parallelism: two ranks over gloo; with data parallelism, four): logprobs equal an HF
-forward pass (fp32, max |diff| <= 1e-5) at tp = 1, tp = 2 and tp = 2 x dp = 2, the model
-gathered back to HF layout is bit-exact, and one training step (micro-batches, the KL term,
+(tensor or pipeline parallelism: two ranks over gloo; with both, or with data parallelism,
+four): logprobs equal an HF forward pass (fp32, max |diff| <= 1e-5) at tp = 1, tp = 2,
+tp = 2 x dp = 2, pp = 2 and tp = 2 x pp = 2 (at pp = 2 through megatron's pipeline schedule,
+forward only), the model gathered back to HF layout is bit-exact (tied embeddings split over
+two stages included), and one training step (micro-batches, the KL term,
 gradient clipping) gives the loss, statistics, clipped gradients and updated weights of the
 torch backend on the same batch (with dp = 2 each replica trains on its half of the batch, as
 the dataflow rank deals it, and the statistics are those of the halves together). (The step is
 one optimizer step; the proximal policy of later minibatches is the shared `trainer/step.py`
 scoring through the same `scores` compared above.) The trained model is checkpointed (a
-collective: one file per tensor-parallel rank in `step-<N>/`), moved by another step, and
+collective: one file per tensor-parallel rank and stage in `step-<N>/`), moved by another step, and
 loaded back bit for bit.
 
 Updated weights agree within 1e-5 wherever the gradient is above 1e-7: AdamW's first
@@ -31,7 +33,6 @@ from astraflow.config.loader import parse_config
 from astraflow.models.factory import make_model
 from astraflow.protocol import messages as m
 from astraflow.trainer.batch import TokenBatch
-from astraflow.trainer.megatron.mapping import to_hf
 from astraflow.trainer.torch_backend import TorchBackend
 from tests.unit.test_trainer_memory import served_batch
 
@@ -39,15 +40,15 @@ TEMPERATURE = 0.7
 CONFIG = """
 policies: [{{name: policy}}]
 engine: {{temperature: {temperature}}}
-trainer: {{backend: {backend}, tp: {tp}, world: {world}, lr: {lr}, ref_kl: 0.1, max_tokens_per_microbatch: 120,
+trainer: {{backend: {backend}, tp: {tp}, pp: {pp}, world: {world}, lr: {lr}, ref_kl: 0.1, max_tokens_per_microbatch: 120,
            logprob_chunk_tokens: 7}}
 """
 LR = 1e-3
 RANK_TIMEOUT_S = 240
 
 
-def config(backend: str, tp: int = 1, world: int = 1):
-    return parse_config(CONFIG.format(temperature=TEMPERATURE, backend=backend, tp=tp, world=world, lr=LR))
+def config(backend: str, tp: int = 1, world: int = 1, pp: int = 1):
+    return parse_config(CONFIG.format(temperature=TEMPERATURE, backend=backend, tp=tp, pp=pp, world=world, lr=LR))
 
 
 def score_rows(vocab: int) -> TokenBatch:
@@ -64,7 +65,7 @@ def share(reply: m.BatchReply, rank: int, world: int) -> m.BatchReply:
         group_mean=reply.group_mean[rows], group_std=reply.group_std[rows])
 
 
-def rank_main(rank: int, world: int, tp: int, store: str, model_dir: str, out: str) -> None:
+def rank_main(rank: int, world: int, tp: int, pp: int, store: str, model_dir: str, out: str) -> None:
     """One rank: score, gather to HF layout, train one step on its replica's rows, gather again;
     rank 0 saves it all, with every rank's statistics."""
     import torch.distributed as dist
@@ -74,17 +75,17 @@ def rank_main(rank: int, world: int, tp: int, store: str, model_dir: str, out: s
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world), "policy", rank, world)
+    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world, pp), "policy", rank, world)
     result = {"logp": backend.score(score_rows(backend.spec.vocab)), "hf": backend.hf_state_dict()}
     served = share(served_batch(backend.spec.vocab), backend.data_rank, backend.data_world)
-    stats = backend.train_step(served, 4, LR)
+    stats = (backend.data_rank, backend.train_step(served, 4, LR))
     result["stats"] = [None] * world
     if world > 1:
         dist.all_gather_object(result["stats"], stats)
     else:
         result["stats"] = [stats]
     result["after"] = backend.hf_state_dict()
-    result["grad"] = to_hf(backend.gather_shards({k: p.grad for k, p in backend.model.named_parameters()}), backend.spec)
+    result["grad"] = backend.gather_hf({k: p.grad for k, p in backend.model.named_parameters()})
     ckpt = backend.save(Path(out).parent / "checkpoints", 4)
     backend.train_step(served, 5, LR)  # moves the weights away from the checkpoint
     result["loaded_step"] = backend.load(ckpt)
@@ -94,12 +95,12 @@ def rank_main(rank: int, world: int, tp: int, store: str, model_dir: str, out: s
         torch.save(result, out)
 
 
-def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int) -> dict:
+def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int, pp: int = 1) -> dict:
     ctx = mp.get_context("spawn")
-    out = tmp_path / f"tp{tp}-dp{dp}.pt"
-    world = tp * dp
-    procs = [ctx.Process(target=rank_main, args=(r, world, tp, str(tmp_path / f"store-{tp}-{dp}"), str(model_dir),
-                                                 str(out)))
+    out = tmp_path / f"tp{tp}-pp{pp}-dp{dp}.pt"
+    world = tp * pp * dp
+    procs = [ctx.Process(target=rank_main, args=(r, world, tp, pp, str(tmp_path / f"store-{tp}-{pp}-{dp}"),
+                                                 str(model_dir), str(out)))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -145,9 +146,9 @@ def token_mean(stats: list[dict], key: str) -> float:
     return sum(s[key] * s["completion_len"] for s in stats) / sum(s["completion_len"] for s in stats)
 
 
-@pytest.mark.parametrize("tp, dp", [(1, 1), (2, 1), (2, 2)])
-def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, tmp_path, tp, dp):
-    got = run_ranks(tmp_path, model_dir, tp, dp)
+@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1), (2, 2, 1)])
+def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, tmp_path, tp, pp, dp):
+    got = run_ranks(tmp_path, model_dir, tp, dp, pp)
     ref = torch_reference
     assert (got["logp"] - ref["logp"]).abs().max().item() <= 1e-5
     # HF -> Megatron (tp ranks) -> HF: every tensor bit for bit
@@ -156,11 +157,11 @@ def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, t
     assert unequal == []
     # one step: the same loss, statistics and updated weights
     # (the members of a replica agree; the replicas' shares together are the batch)
-    replicas = got["stats"][::tp]
-    assert all(got["stats"][r] == got["stats"][r - r % tp] for r in range(tp * dp))
+    replicas = [dict(got["stats"])[d] for d in range(dp)]
+    assert all(stats == replicas[d] for d, stats in got["stats"])
     for key in ("loss", "entropy", "kl_ref", "clip_frac", "is_weight"):
         assert token_mean(replicas, key) == pytest.approx(ref["stats"][key], abs=1e-5, rel=1e-5), key
-    assert got["stats"][0]["grad_norm"] == pytest.approx(ref["stats"]["grad_norm"], abs=1e-5, rel=1e-5)
+    assert replicas[0]["grad_norm"] == pytest.approx(ref["stats"]["grad_norm"], abs=1e-5, rel=1e-5)
     grad = max((got["grad"][k] - g).abs().max().item() for k, g in ref["grad"].items())
     assert grad <= 1e-6
     moved = max((got["after"][k] - ref["hf"][k]).abs().max().item() for k in ref["hf"])
@@ -170,7 +171,7 @@ def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, t
     anywhere = max(d.max().item() for d in diff.values())
     assert above_eps <= 1e-5 and anywhere <= LR / 10, json.dumps({"above_eps": above_eps, "anywhere": anywhere})
     # the checkpoint: a file per tensor-parallel rank, loaded back bit for bit
-    assert got["loaded_step"] == 4 and got["files"] == [f"tp{r}-pp0.pt" for r in range(tp)]
+    assert got["loaded_step"] == 4 and got["files"] == sorted(f"tp{t}-pp{p}.pt" for t in range(tp) for p in range(pp))
     assert [k for k in got["after"] if not torch.equal(got["reloaded"][k], got["after"][k])] == []
 
 

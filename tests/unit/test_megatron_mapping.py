@@ -1,13 +1,15 @@
 """HF ⇄ Megatron weights as tensors alone (no processes): every tensor-parallel size that
 divides the kv heads round-trips bit for bit, a vocabulary that does not divide is padded
 and trimmed again, each rank's fused q/k/v holds whole query groups in Megatron's order, and
-configs the backend cannot carry are refused naming the field."""
+configs the backend cannot carry are refused naming the field. Pipeline stages hold their
+own layers, numbered from 0, and put back together give the shard again; with tied
+embeddings the last stage holds a copy of the embedding as its output layer."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from astraflow.trainer.megatron.mapping import table, to_hf, to_megatron
+from astraflow.trainer.megatron.mapping import from_stages, stage_kinds, table, to_hf, to_megatron, to_stage
 from astraflow.trainer.megatron.spec import MappingError, ModelSpec
 
 
@@ -96,3 +98,22 @@ def test_a_tensor_parallel_size_that_splits_a_query_group_is_refused():
 def test_configs_the_backend_cannot_carry_are_refused_naming_the_field(over, field):
     with pytest.raises(MappingError, match=field):
         ModelSpec.of(hf_config(**over))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_stages_hold_their_layers_and_put_back_together_exactly(tied):
+    spec = ModelSpec.of(hf_config(num_hidden_layers=4, tie_word_embeddings=tied))
+    shard = to_megatron(random_hf(spec), spec, 1, 0)
+    stages = [to_stage(shard, spec, 2, s) for s in range(2)]
+    first, last = stages
+    assert "embedding.word_embeddings.weight" in first and "decoder.final_layernorm.weight" in last
+    assert "embedding.word_embeddings.weight" not in last and "output_layer.weight" not in first
+    # the second stage's layer 0 is the model's layer 2
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert torch.equal(last[name], shard[name.replace("layers.0", "layers.2")])
+    assert not any("layers.2" in k or "layers.3" in k for k in first)
+    if tied:  # the last stage's output layer is a copy of the embedding
+        assert torch.equal(last["output_layer.weight"], shard["embedding.word_embeddings.weight"])
+    back = from_stages(stages, spec)
+    assert sorted(back) == sorted(shard) and all(torch.equal(back[k], shard[k]) for k in shard)
+    assert set(stage_kinds(spec, 2, 1)) == set(last)

@@ -1,25 +1,29 @@
-"""The `megatron` trainer backend: a megatron-core GPTModel, tensor- and data-parallel.
+"""The `megatron` trainer backend: a megatron-core GPTModel, tensor-, pipeline- and data-parallel.
 
 Built for one rank of a trainer group whose torch.distributed world is already initialised
 when `world > 1` (`trainer/loop.py`): megatron's groups are formed over it with
-`trainer.tp` (and `trainer.pp`, 1 in this version); the rest of the world is data parallel.
-The model is built from the policy's HF directory and loaded through `mapping.py`; its
-logprobs are computed vocabulary-parallel (`scoring.py`); the step is the shared one
-(`trainer/step.py`: the torch backend's loss, KL term and statistics).
+`trainer.tp` and `trainer.pp`; the rest of the world is data parallel. The model (this
+rank's pipeline stage of it) is built from the policy's HF directory and loaded through
+`mapping.py`; its logprobs are computed vocabulary-parallel (`scoring.py`); the step is the
+shared one (`trainer/step.py`: the torch backend's loss, KL term and statistics), its
+micro-batches run one after another at pp = 1 and through megatron's pipeline schedule at
+pp > 1 (`pipeline.py`), where the step's statistics are the last stage's, broadcast.
 
 This backend's part of a step: gradients accumulate locally over micro-batches, then are
 averaged over the data-parallel group (one all-reduce per parameter, on the minibatch's last
-micro-batch), clipped by their global norm (the squares of tensor-parallel shards summed over
-the tensor-parallel group, replicated parameters counted once), and `torch.optim.AdamW`
+micro-batch), the two copies of tied embeddings on the first and last pipeline stages get
+the sum of their gradients (Megatron's embedding group), and all are clipped by their global
+norm (the squares of tensor-parallel shards summed over the tensor-parallel group,
+replicated parameters counted once, stages summed over the pipeline group), and `torch.optim.AdamW`
 steps fp32 master weights (`master.py`; Megatron's own optimizer needs a GPU, and its
 distributed optimizer is not used yet). The model's parameters are in the compute dtype
 (bf16 on a GPU), as Megatron runs them, not fp32 under autocast: Megatron's activation
 recompute (`trainer.activation_checkpointing`: full recompute) re-runs layers outside any
 autocast region. A checkpoint keeps the fp32 masters.
 
-`hf_state_dict` is the model in HF layout. With tp = 1 every rank holds the whole model and
-converts its own; with tp > 1 it gathers the tensor-parallel shards, a collective called on
-every rank of the group (`trainer/loop.py`). `save` is a collective too: a checkpoint is a
+`hf_state_dict` is the model in HF layout. With tp = pp = 1 every rank holds the whole model
+and converts its own; otherwise it gathers the shards of every stage and tensor-parallel
+rank, a collective called on every rank of the group (`trainer/loop.py`). `save` is a collective too: a checkpoint is a
 directory `step-<N>/` with one file per rank of the first model replica (`tp<t>-pp<p>.pt`:
 its parameters and optimizer state, with tp and pp recorded: a checkpoint loads only into
 the same tensor-parallel layout), written under a temporary name and renamed by rank 0 once
@@ -32,6 +36,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,12 +49,13 @@ from astraflow.protocol.messages import BatchReply
 from astraflow.trainer.batch import TokenBatch
 from astraflow.trainer.checkpoint import commit_file, fsync_dir
 from astraflow.trainer.megatron import model as mm
-from astraflow.trainer.megatron.mapping import table, to_hf, to_megatron
+from astraflow.trainer.megatron.mapping import EMBEDDING, OUTPUT, from_stages, stage_kinds, to_hf, to_megatron, to_stage
 from astraflow.trainer.megatron.master import MasterWeights
+from astraflow.trainer.megatron.pipeline import Pipeline
 from astraflow.trainer.megatron.scoring import score
 from astraflow.trainer.megatron.spec import ModelSpec
 from astraflow.trainer.scoring import Scores
-from astraflow.trainer.step import summed, train_step
+from astraflow.trainer.step import Sequential, summed, train_step
 
 
 def read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -69,8 +75,6 @@ class MegatronBackend:
         self.tcfg = cfg.trainer_for(policy)
         self.rank = rank
         self.tp, self.pp = self.tcfg.tp, self.tcfg.pp
-        if self.pp != 1:
-            raise ValueError(f"trainer.pp={self.pp}: the megatron backend has no pipeline parallelism yet")
         self.device = hardware.device()
         self.dtype = hardware.compute_dtype(cfg.model.dtype, self.device)
         self.publish_dtype = self.dtype
@@ -85,7 +89,11 @@ class MegatronBackend:
         self.data_group = parallel_state.get_data_parallel_group()
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.spec = ModelSpec.of(config)
-        self.sharded = {e.megatron for e in table(self.spec) if e.kind != "replicated"}
+        kinds = stage_kinds(self.spec, self.pp, self.pp_rank)
+        self.sharded = {name for name, kind in kinds.items() if kind != "replicated"}
+        # tied embeddings across stages: the first stage's embedding and the last stage's copy
+        self.tied_copy = {0: EMBEDDING, self.pp - 1: OUTPUT}.get(self.pp_rank) if self.spec.tied and self.pp > 1 \
+            else None
         self.padding_idx = config.get("pad_token_id")  # as the HF model's embedding: model.hidden_states
         self.pad_id = int(self.padding_idx or 0)
         hf = read_hf_weights(model_dir)
@@ -96,10 +104,12 @@ class MegatronBackend:
             self.ref.requires_grad_(False)
         self.temperature = cfg.engine.temperature
         self.optim = MasterWeights(self.model, self.tcfg.lr, self.tcfg.weight_decay)
+        self.schedule = Pipeline(self) if self.pp > 1 else Sequential(self)
 
     def _build(self, hf: dict[str, torch.Tensor], recompute: bool) -> torch.nn.Module:
-        model = mm.build_model(self.spec, self.tp, self.dtype, recompute)
-        mm.load_shard(model, to_megatron(hf, self.spec, self.tp, self.tp_rank))
+        model = mm.build_model(self.spec, self.tp, self.pp, self.dtype, recompute)
+        shard = to_megatron(hf, self.spec, self.tp, self.tp_rank)
+        mm.load_shard(model, to_stage(shard, self.spec, self.pp, self.pp_rank))
         return model.to(self.device)
 
     # ---------------------------------------------------------------- the step (trainer/step.py)
@@ -128,15 +138,20 @@ class MegatronBackend:
             for p in params:
                 dist.all_reduce(p.grad, group=group)
                 p.grad.div_(self.data_world)
+        if self.tied_copy is not None:  # the tied weight's gradient: both copies' uses
+            dist.all_reduce(dict(named)[self.tied_copy].grad, group=parallel_state.get_embedding_group())
         # which parameters are split across the tensor-parallel ranks: from the mapping's table
         # (Megatron marks them only when it initialises the weights, which is skipped here)
         split = [n in self.sharded for n, _ in named]
+        counted = [not (self.tied_copy == OUTPUT and n == OUTPUT) for n, _ in named]  # the copy: once
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        sharded = sum((p.grad.double().pow(2).sum() for p, s in zip(params, split) if s), zero)
+        sharded = sum((p.grad.double().pow(2).sum() for p, s, c in zip(params, split, counted) if s and c), zero)
         if self.tp > 1:
             dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        replicated = sum((p.grad.double().pow(2).sum() for p, s in zip(params, split) if not s), zero)
-        norm = float((sharded + replicated).sqrt())
+        total = sharded + sum((p.grad.double().pow(2).sum() for p, s in zip(params, split) if not s), zero)
+        if self.pp > 1:
+            dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        norm = float(total.sqrt())
         coef = min(1.0, self.tcfg.grad_clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
             for p in params:
@@ -144,21 +159,34 @@ class MegatronBackend:
         return norm
 
     def train_step(self, reply: BatchReply, step: int, lr: float) -> dict[str, float]:
-        return train_step(self, reply, step, lr)
+        return self._from_last_stage(train_step(self, reply, step, lr))
+
+    def _from_last_stage(self, value: Any) -> Any:
+        """The last pipeline stage's `value`, on every stage (where the losses are computed)."""
+        if self.pp == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        return box[0]
 
     # ---------------------------------------------------------------- weights and checkpoints
 
-    def gather_shards(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """Every tensor-parallel rank's `tensors` (on the CPU), in rank order: a collective."""
+    def gather_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` by this rank's parameter names (weights, or gradients), from every stage and
+        tensor-parallel rank of the model, in HF layout (on the CPU): a collective."""
         own = {k: v.detach().cpu() for k, v in tensors.items()}
-        if self.tp == 1:
-            return [own]
-        gathered: list[dict[str, torch.Tensor]] = [None] * self.tp  # type: ignore[list-item]
-        dist.all_gather_object(gathered, own, group=parallel_state.get_tensor_model_parallel_group())
-        return gathered
+        if self.tp * self.pp == 1:
+            return to_hf([own], self.spec)
+        gathered: list[Any] = [None] * (self.tp * self.pp)
+        dist.all_gather_object(gathered, (self.tp_rank, self.pp_rank, own),
+                               group=parallel_state.get_model_parallel_group())
+        parts = {(t, p): part for t, p, part in gathered}
+        return to_hf([from_stages([parts[t, p] for p in range(self.pp)], self.spec) for t in range(self.tp)],
+                     self.spec)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return to_hf(self.gather_shards(mm.parameters(self.model)), self.spec)
+        return self.gather_hf(mm.parameters(self.model))
 
     @property
     def shard_name(self) -> str:
@@ -197,6 +225,7 @@ class MegatronBackend:
         return int(state["step"])
 
     def score(self, batch: TokenBatch) -> torch.Tensor:
-        """Log-probabilities of a batch's targets under the current weights (no gradient)."""
-        with torch.no_grad(), self.autocast():
-            return self.scores(batch.to(self.device), train=False).logp.float().cpu()
+        """Log-probabilities of a batch's targets under the current weights (no gradient), on
+        every rank."""
+        logp = self.schedule.proximal([batch.to(self.device)])[0]
+        return self._from_last_stage(logp.cpu() if logp is not None else None)

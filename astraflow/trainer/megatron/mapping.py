@@ -16,10 +16,19 @@ HF tensors it is made of and how it is cut across tensor-parallel ranks:
 shards of all `tp` ranks (in rank order) back into the HF layout. Both only reshape, slice
 and concatenate, so HF → Megatron → HF is bit-exact. The output layer exists only when the
 embeddings are untied (Megatron shares the embedding's weight otherwise).
+
+Pipeline stages cut a shard again: `to_stage(shard, spec, pp, stage)` keeps stage `stage`'s
+layers (renumbered from 0, as Megatron numbers a stage's layers), the embedding on the first
+stage and the final norm and output layer on the last; `from_stages` is its inverse. With
+tied embeddings and pp > 1 the last stage holds its own copy of the embedding as its output
+layer (as Megatron does: the two stages are different processes), kept equal by summing
+the two copies' gradients (`backend.py`); `from_stages` drops the copy.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -110,3 +119,45 @@ def to_hf(shards: list[dict[str, torch.Tensor]], spec: ModelSpec) -> dict[str, t
     if spec.tied:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+T = TypeVar("T")
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
+EMBEDDING, OUTPUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
+
+
+def _renumber(name: str, offset: int) -> str:
+    return _LAYER_NAME.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+
+
+def to_stage(shard: dict[str, T], spec: ModelSpec, pp: int, stage: int) -> dict[str, T]:
+    """Pipeline stage `stage`'s (of `pp`) part of a tensor-parallel shard (tensors, or anything
+    else by parameter name: `stage_kinds`), its layers numbered from 0."""
+    per, first, last = spec.layers // pp, stage == 0, stage == pp - 1
+    out = {}
+    for name, tensor in shard.items():
+        layer = _LAYER_NAME.match(name)
+        if layer:
+            if stage * per <= int(layer.group(1)) < (stage + 1) * per:
+                out[_renumber(name, -stage * per)] = tensor
+        elif (name == EMBEDDING and first) or (name in (FINAL_NORM, OUTPUT) and last):
+            out[name] = tensor
+    if spec.tied and pp > 1 and last:
+        out[OUTPUT] = shard[EMBEDDING]
+    return out
+
+
+def from_stages(stages: list[dict[str, torch.Tensor]], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """A tensor-parallel shard from its pipeline stages' parts (in stage order)."""
+    per = spec.layers // len(stages)
+    out = {}
+    for stage, part in enumerate(stages):
+        for name, tensor in part.items():
+            if not (name == OUTPUT and spec.tied):  # the last stage's copy of the tied embedding
+                out[_renumber(name, stage * per)] = tensor
+    return out
+
+
+def stage_kinds(spec: ModelSpec, pp: int, stage: int) -> dict[str, str]:
+    """How each parameter of a pipeline stage is cut across tensor-parallel ranks, by its local name."""
+    return to_stage({e.megatron: e.kind for e in table(spec)}, spec, pp, stage)

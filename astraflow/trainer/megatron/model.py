@@ -10,10 +10,18 @@ tied or untied embeddings, no dropout (the RL loss's ratios compare two forward 
 the same weights: dropout would make them differ). The weights come from `load_hf` (via
 `mapping.to_megatron`), not from Megatron's initialisation, which is skipped.
 
-`hidden_states(model, input_ids)` runs the embedding and the decoder (final norm included)
-over right-padded rows and returns (batch, length, hidden): the output layer is applied by
-`scoring.py` to the trained positions only. The causal mask is passed explicitly (Megatron's
-default one is built on `"cuda"`).
+`build_model` builds this pipeline stage's part of the model (megatron's parallel state
+says which: the embedding on the first stage, the final norm and output layer on the last).
+With tied embeddings the output layer shares the embedding's weight when both are on one
+stage; across stages the last one has a weight of its own (`mapping.to_stage`).
+
+`embed(model, input_ids)` is the first stage's (length, batch, hidden) input to the decoder;
+`decode(model, hidden, length)` runs this stage's layers (final norm included on the last
+stage) on it, or on what a later stage received from the one before; `hidden_states` is
+both for a model in one stage, as
+(batch, length, hidden): the output layer is applied by `scoring.py` to the trained
+positions only. The causal mask is passed explicitly (Megatron's default one is built on
+`"cuda"`).
 
 Without a GPU, `cpu.redirect_to_cpu()` is applied once megatron's modules are imported.
 """
@@ -46,7 +54,8 @@ def init_parallel(tp: int, pp: int, seed: int = 0) -> None:
     torch.set_rng_state(cpu_state)
 
 
-def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype, recompute: bool = False) -> TransformerConfig:
+def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False
+                       ) -> TransformerConfig:
     extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
         if recompute else {}
     return TransformerConfig(
@@ -54,17 +63,25 @@ def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype, recompute: 
         num_attention_heads=spec.heads, num_query_groups=spec.kv_heads, kv_channels=spec.head_dim,
         normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=dtype, pipeline_dtype=dtype,
+        # the pipeline passes micro-batches of any shape (token-budgeted), and the loss is
+        # already a token mean over the minibatch (trainer/step.py): the schedule must not rescale it
+        # (the MoE token dispatcher is unused: a dense model; its default refuses variable lengths)
+        variable_seq_lengths=True, calculate_per_token_loss=True, moe_token_dispatcher_type="alltoall", bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True, perform_initialization=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, **extra)
 
 
-def build_model(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, recompute: bool = False) -> GPTModel:
-    config = transformer_config(spec, tp, dtype, recompute)
+def build_model(spec: ModelSpec, tp: int, pp: int = 1, dtype: torch.dtype = torch.float32, recompute: bool = False
+                ) -> GPTModel:
+    """This rank's pipeline stage of the model (see the module's docstring)."""
+    config = transformer_config(spec, tp, pp, dtype, recompute)
     model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec.padded_vocab(tp),
                      max_sequence_length=spec.max_positions, position_embedding_type="rope",
-                     rotary_base=spec.rope_theta, share_embeddings_and_output_weights=spec.tied)
+                     rotary_base=spec.rope_theta, share_embeddings_and_output_weights=spec.tied and pp == 1,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     # the norms (torch's RMSNorm without Apex) ignore params_dtype; Megatron's Float16Module casts
     # the whole model the same way (the rotary frequencies are no buffer: they stay fp32)
     return model.to(dtype)
@@ -86,19 +103,28 @@ def load_shard(model: GPTModel, shard: dict[str, torch.Tensor]) -> None:
             tensor.copy_(shard[name])
 
 
-def hidden_states(model: GPTModel, input_ids: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
-    """(batch, length, hidden) after the final norm, for right-padded rows (causal attention).
+def embed(model: GPTModel, input_ids: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+    """The decoder's input, (length, batch, hidden), for right-padded rows (first stage only).
 
     The embedding of `padding_idx` (the config's `pad_token_id`) gets no gradient from its
     lookups, as in the HF model (`nn.Embedding(padding_idx=...)`), so that both backends train
     the same weights (it matters where the pad token is also a real one: Qwen2.5's
     `<|endoftext|>`); its gradient through tied output weights is kept, as there."""
-    length = input_ids.shape[1]
-    positions = torch.arange(length, device=input_ids.device)[None].expand_as(input_ids)
-    embedded = model.embedding(input_ids=input_ids, position_ids=positions)  # (length, batch, hidden)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+    embedded = model.embedding(input_ids=input_ids, position_ids=positions)
     if padding_idx is not None:
         embedded = torch.where((input_ids == padding_idx).T[..., None], embedded.detach(), embedded)
-    rotary = model.rotary_pos_emb(length)
-    mask = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
-    hidden = model.decoder(hidden_states=embedded, attention_mask=mask, rotary_pos_emb=rotary)
-    return hidden.transpose(0, 1)
+    return embedded
+
+
+def decode(model: GPTModel, hidden: torch.Tensor, length: int) -> torch.Tensor:
+    """This stage's layers (causal attention) on `hidden`, (length, batch, hidden)."""
+    if not model.pre_process:  # a later stage's decoder reads its input from there
+        model.decoder.set_input_tensor(hidden)
+    mask = torch.ones(length, length, dtype=torch.bool, device=hidden.device).triu(1)[None, None]
+    return model.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=model.rotary_pos_emb(length))
+
+
+def hidden_states(model: GPTModel, input_ids: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+    """(batch, length, hidden) after the final norm, for a model in one stage (`embed`)."""
+    return decode(model, embed(model, input_ids, padding_idx), input_ids.shape[1]).transpose(0, 1)

@@ -74,23 +74,31 @@ def _chunk(model: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, tempe
     return logp, entropy, kl
 
 
+def trained(hidden: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+    """The (batch, length, hidden) states at the positions whose next token is trained."""
+    h = hidden[:, :-1]
+    return h.reshape(-1, h.shape[-1])[batch.positions]
+
+
 def score(model: torch.nn.Module, batch: TokenBatch, temperature: float, vocab: int, chunk: int = 1024,
           ref: torch.nn.Module | None = None, padding_idx: int | None = None) -> Scores:
-    """`Scores` of a micro-batch's trained tokens (see the module's docstring); `padding_idx`:
-    `model.hidden_states`."""
-    temperature = temperature if temperature > 0 else 1.0
-    chunk = max(1, chunk)
-
-    def trained(m: torch.nn.Module) -> torch.Tensor:
-        h = hidden_states(m, batch.input_ids, padding_idx)[:, :-1]
-        return h.reshape(-1, h.shape[-1])[batch.positions]
-
-    h = trained(model)
+    """`Scores` of a micro-batch's trained tokens (see the module's docstring) for a model in
+    one pipeline stage; `padding_idx`: `model.embed`."""
+    h = trained(hidden_states(model, batch.input_ids, padding_idx), batch)
     h_ref = None
     if ref is not None:
         with torch.no_grad():
-            h_ref = trained(ref)
-    n = len(batch.targets)
+            h_ref = trained(hidden_states(ref, batch.input_ids, padding_idx), batch)
+    return score_hidden(model, h, batch.targets, temperature, vocab, chunk, ref, h_ref)
+
+
+def score_hidden(model: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, vocab: int,
+                 chunk: int = 1024, ref: torch.nn.Module | None = None, h_ref: torch.Tensor | None = None) -> Scores:
+    """`Scores` from the final hidden states `h` of the trained positions (and the reference
+    model's, `h_ref`), through this rank's output layer."""
+    temperature = temperature if temperature > 0 else 1.0
+    chunk = max(1, chunk)
+    n = len(targets)
     if n == 0:  # nothing trained in this micro-batch
         empty = h[:, 0]
         return Scores(empty, empty.detach(), empty if ref is not None else None)
@@ -99,7 +107,7 @@ def score(model: torch.nn.Module, batch: TokenBatch, temperature: float, vocab: 
     outs = []
     for lo in range(0, n, chunk):
         part = slice(lo, lo + chunk)
-        args = (model, h[part], batch.targets[part], temperature, vocab, ref,
+        args = (model, h[part], targets[part], temperature, vocab, ref,
                 h_ref[part] if h_ref is not None else None)
         outs.append(checkpoint(_chunk, *args, use_reentrant=False) if big and torch.is_grad_enabled()
                     else _chunk(*args))

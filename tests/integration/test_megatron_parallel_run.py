@@ -1,5 +1,5 @@
-"""`astraflow run` with the megatron backend at tp = 2: two trainer ranks form one
-tensor-parallel group (one model replica). Both ranks train every step on the same rows (each
+"""`astraflow run` with the megatron backend at tp = 2 and at pp = 2: two trainer ranks form
+one tensor-parallel group, or two pipeline stages (one model replica either way). Both ranks train every step on the same rows (each
 logs the digest of its rows and its loss: they must be equal), rank 0 alone publishes and
 acknowledges, each rank writes its shard of the checkpoints, and a group that loses a rank
 (SIGKILL) is restarted as a whole and resumes from its checkpoint with every step's samples
@@ -37,10 +37,11 @@ def rank_pid(run_dir: Path, rank: int) -> int:
     raise AssertionError(f"no trainer rank {rank} running")
 
 
-def test_tensor_parallel_ranks_train_on_the_same_rows_and_resume_after_losing_one(tmp_path):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_model_parallel_ranks_train_on_the_same_rows_and_resume_after_losing_one(tmp_path, tp, pp):
     run_dir = tmp_path / "run"
     overrides = [*OVERRIDES, f"trainer.steps={STEPS}", "trainer.checkpoint_every=2", "rollout.workers=1",
-                 "trainer.backend=megatron", "trainer.tp=2", "trainer.world=2",
+                 "trainer.backend=megatron", f"trainer.tp={tp}", f"trainer.pp={pp}", "trainer.world=2",
                  f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
     launcher = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
                                  "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]],
@@ -77,7 +78,7 @@ def test_tensor_parallel_ranks_train_on_the_same_rows_and_resume_after_losing_on
     assert summary["steps"] == STEPS and summary["trained"] == STEPS * BATCH
     # each rank's shard of the last checkpoint, committed together
     assert sorted(p.name for p in (run_dir / "checkpoints" / "policy" / f"step-{STEPS}").iterdir()) == \
-        ["tp0-pp0.pt", "tp1-pp0.pt"]
+        sorted(f"tp{t}-pp{p}.pt" for t in range(tp) for p in range(pp))
     audit = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "audit", str(run_dir)], cwd=REPO,
                            capture_output=True, text=True)
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
