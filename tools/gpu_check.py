@@ -78,11 +78,11 @@ def train_check(model_dir: Path, backend_name: str, dtype: str, seq: int, rows: 
                        f" max_tokens_per_microbatch: {micro_rows * seq}, activation_checkpointing: true,"
                        f" logprob_chunk_tokens: 2048}}\n")
     reply = served_batch(rows, seq, info.vocab_size, np.random.default_rng(0))
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
     backend = BACKENDS[backend_name](model_dir, cfg, "policy", 0, 1)
     params = sum(p.numel() for p in backend.model.parameters())
     parity = parity_check(backend, model_dir, reply, min(seq, 1024))  # before training: the weights on disk
+    if torch.cuda.is_available():  # the peak of training: the model, optimizer and steps, not the parity pass
+        torch.cuda.reset_peak_memory_stats()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     backend.train_step(reply, 1, 1e-6)  # warm-up: allocator, kernels
     sync()

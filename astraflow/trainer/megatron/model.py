@@ -2,9 +2,10 @@
 
 `init_parallel(tp, pp)` sets up megatron's model-parallel groups over the already
 initialised torch.distributed world (data parallelism is what remains: world / (tp × pp)).
-`build_model(spec, tp, dtype)` builds the `GPTModel` of an HF `config.json`
-(`mapping.ModelSpec`), its parameters in `dtype`, with megatron-core's local layer spec (no TransformerEngine: it runs
-on a CPU and on any GPU): RMSNorm with the config's eps, SwiGLU MLP, GQA with
+`build_model(spec, tp, pp, dtype)` builds the `GPTModel` of an HF `config.json`
+(`mapping.ModelSpec`), its parameters in `dtype`, with megatron-core's local layer spec (no
+TransformerEngine: it runs on a CPU and on any GPU) whose core attention is PyTorch's fused
+SDPA (`attention.py`): RMSNorm with the config's eps, SwiGLU MLP, GQA with
 `num_query_groups`, q/k/v biases when the family has them, RoPE with the config's theta,
 tied or untied embeddings, no dropout (the RL loss's ratios compare two forward passes of
 the same weights: dropout would make them differ). The weights come from `load_hf` (via
@@ -34,6 +35,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from astraflow.trainer.megatron.attention import SdpaAttention
 from astraflow.trainer.megatron.spec import ModelSpec
 
 if not torch.cuda.is_available():
@@ -77,7 +79,9 @@ def build_model(spec: ModelSpec, tp: int, pp: int = 1, dtype: torch.dtype = torc
                 ) -> GPTModel:
     """This rank's pipeline stage of the model (see the module's docstring)."""
     config = transformer_config(spec, tp, pp, dtype, recompute)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec.padded_vocab(tp),
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.self_attention.submodules.core_attention = SdpaAttention  # fused kernels: attention.py
+    model = GPTModel(config, layer, vocab_size=spec.padded_vocab(tp),
                      max_sequence_length=spec.max_positions, position_embedding_type="rope",
                      rotary_base=spec.rope_theta, share_embeddings_and_output_weights=spec.tied and pp == 1,
                      pre_process=parallel_state.is_pipeline_first_stage(),
