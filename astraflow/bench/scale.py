@@ -49,7 +49,7 @@ from astraflow.config.rundir import RunDir
 from astraflow.protocol import messages as m
 from astraflow.protocol.backoff import Backoff
 from astraflow.protocol.client import Client, wait_rendezvous
-from astraflow.rollout.keepalive import keepalive_due
+from astraflow.rollout.keepalive import is_contact, keepalive_due
 from astraflow.rollout.worker import OPEN_ENDED
 
 GROUP = 8
@@ -138,7 +138,8 @@ class Load:
         return min(wakes)
 
     def _answered(self, s: SimWorker, kind: str, request, reply, now: float) -> None:
-        s.last_contact = now
+        if is_contact(request):
+            s.last_contact = now
         if getattr(reply, "latest", None):
             s.last_latest = now
         if kind == "lease":
@@ -158,6 +159,8 @@ class Load:
             self.acked.extend(reply.sample_ids)
         elif kind == "renew":
             s.leased_at.update(dict.fromkeys(reply.renewed, now))
+            for task_id in reply.lost:
+                s.leased_at.pop(task_id, None)
 
     def run(self, seconds: float, drain_s: float = 30.0) -> None:
         poller = zmq.Poller()
@@ -201,14 +204,17 @@ class Load:
 def _load(run_dir: str, index: int, clients: int, tokens: int, gen_s: float, poll_s: float, seconds: float,
           go: "mp.Barrier", out: mp.Queue) -> None:
     os.nice(WORKER_NICE)
-    load = Load(run_dir, index, clients, tokens, gen_s, poll_s)
-    go.wait()
+    load = None
     try:
+        load = Load(run_dir, index, clients, tokens, gen_s, poll_s)
+        go.wait()
         load.run(seconds)
         error = ""
-    except TimeoutError as e:  # reported, not hung on: the commits acknowledged so far still count
-        error = f"load process {index}: {e}"
-    out.put({"latencies": dict(load.latencies), "counts": dict(load.counts), "acked": load.acked, "error": error})
+    except Exception as e:  # reported, not hung on: the commits acknowledged so far still count
+        go.abort()  # a load that never started must not leave the others waiting at the barrier
+        error = f"load process {index}: {type(e).__name__}: {e}"
+    out.put({"latencies": dict(load.latencies) if load else {}, "counts": dict(load.counts) if load else {},
+             "acked": load.acked if load else [], "error": error})
 
 
 def _consumer(run_dir: str, resume_step: int, seconds: float, go: "mp.Barrier", out: mp.Queue) -> None:
@@ -252,8 +258,26 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 def run_bench(clients: int = 1024, stored: int = 1_000_000, seconds: float = 60.0, processes: int = 4,
               tokens: int = 64, gen_s: float = 4.0, poll_s: float = 30.0, heartbeat_timeout_s: float = 30.0,
-              lease_s: float = 60.0, keep: bool = False) -> dict:
+              lease_s: float = 60.0) -> dict:
+    """Run the bench in a temporary directory, removed at the end with every process it
+    started, whatever happens."""
     tmp = Path(tempfile.mkdtemp(prefix="astraflow-scale-"))
+    started: list = []  # the load and consumer processes, the ranks
+    try:
+        return _measure(tmp, started, clients, stored, seconds, processes, tokens, gen_s, poll_s,
+                        heartbeat_timeout_s, lease_s)
+    finally:
+        for p in started:
+            if isinstance(p, subprocess.Popen):
+                p.kill()
+                p.wait()
+            elif p.is_alive():
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _measure(tmp: Path, started: list, clients: int, stored: int, seconds: float, processes: int, tokens: int,
+             gen_s: float, poll_s: float, heartbeat_timeout_s: float, lease_s: float) -> dict:
     (tmp / "scale.yaml").write_text(CONFIG.format(group=GROUP, steps=1 << 30, batch=BATCH, capacity=1 << 30,
                                                   heartbeat_timeout_s=heartbeat_timeout_s, lease_s=lease_s))
     run = RunDir.create(tmp / "run", tmp / "scale.yaml")
@@ -262,30 +286,31 @@ def run_bench(clients: int = 1024, stored: int = 1_000_000, seconds: float = 60.
     populate(run, stored, consumed, 4)
     populate_s = time.perf_counter() - t0
     rank, start_s, _ = _start_rank(run, "dataflow.log")
-    try:
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        go = ctx.Barrier(processes + 2)
-        share = [clients // processes + (i < clients % processes) for i in range(processes)]
-        procs = [ctx.Process(target=_load, args=(str(run.path), i, n, tokens, gen_s, poll_s, seconds, go, out))
-                 for i, n in enumerate(share)]
-        procs.append(ctx.Process(target=_consumer, args=(str(run.path), consumed // BATCH, seconds, go, out)))
-        for p in procs:
-            p.start()
-        status_client = Client(wait_rendezvous(run.path)["address"], run.read_secret())
-        go.wait(timeout=600)
-        before = status_client.call(m.Status()).status["protocol"]["counters"]
-        t_load = time.perf_counter()
-        results = [out.get(timeout=seconds + 600) for _ in procs]
-        load_s = time.perf_counter() - t_load
-        for p in procs:
-            p.join(timeout=30)
-        status = status_client.call(m.Status()).status
-        status_client.close()
-    finally:
-        rank.send_signal(signal.SIGKILL)
-        rank.wait(timeout=60)
+    started.append(rank)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    go = ctx.Barrier(processes + 2)
+    share = [clients // processes + (i < clients % processes) for i in range(processes)]
+    procs = [ctx.Process(target=_load, args=(str(run.path), i, n, tokens, gen_s, poll_s, seconds, go, out))
+             for i, n in enumerate(share)]
+    procs.append(ctx.Process(target=_consumer, args=(str(run.path), consumed // BATCH, seconds, go, out)))
+    started.extend(procs)
+    for p in procs:
+        p.start()
+    status_client = Client(wait_rendezvous(run.path)["address"], run.read_secret())
+    go.wait(timeout=600)
+    before = status_client.call(m.Status()).status["protocol"]["counters"]
+    t_load = time.perf_counter()
+    results = [out.get(timeout=seconds + 600) for _ in procs]
+    load_s = time.perf_counter() - t_load
+    for p in procs:
+        p.join(timeout=30)
+    status = status_client.call(m.Status()).status
+    status_client.close()
+    rank.send_signal(signal.SIGKILL)
+    rank.wait(timeout=60)
     rank, restart_s, after = _start_rank(run, "dataflow-restarted.log")
+    started.append(rank)
     rank.send_signal(signal.SIGTERM)
     rank.wait(timeout=120)
 
@@ -334,6 +359,4 @@ def run_bench(clients: int = 1024, stored: int = 1_000_000, seconds: float = 60.
     result["problems"] = [f"{result[k]:,} {k.replace('_', ' ')}" for k in ("lost", "duplicated", "served_twice",
                                                                            "extra_stored") if result[k]]
     result["problems"] += [r["error"] for r in loads if r["error"]]
-    if not keep:
-        shutil.rmtree(tmp, ignore_errors=True)
     return result

@@ -273,7 +273,8 @@ def _bench_restart(args: argparse.Namespace) -> int:
 def _bench_scale(args: argparse.Namespace) -> int:
     from astraflow.bench.scale import run_bench
 
-    result = run_bench(args.clients, args.stored, args.seconds, args.processes, args.tokens, args.gen_s)
+    result = run_bench(clients=args.clients, stored=args.stored, seconds=args.seconds, processes=args.processes,
+                       tokens=args.tokens, gen_s=args.gen_s)
     print(json.dumps(result, indent=None if args.json else 2))
     for problem in result["problems"]:
         print(f"astraflow bench scale: {problem}", file=sys.stderr)

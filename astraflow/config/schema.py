@@ -215,9 +215,10 @@ class PoolConfig:
 class RolloutConfig:
     workers: int = 1  # rollout worker processes (local runs; on Slurm the job's rollout tasks)
     concurrency: int = 16  # tasks in flight per worker
-    # A worker learns of new weights from its lease and commit replies (`latest`; a refused
-    # lease carries it too) and from the collective channel; it also asks the rank this
-    # often, a fallback only: at 1,000 workers a 5 s poll alone is 200 requests a second.
+    # A worker learns of new weights from its lease, commit, renew and heartbeat replies
+    # (`latest`; a refused lease carries it too) and from the collective channel; it asks the
+    # rank (`Weights`) only after this long without such a reply, a fallback: at 1,000 workers
+    # a 5 s poll alone is 200 requests a second.
     weight_poll_s: float = runtime(30.0)
     # Partial rollouts (engine.kind vllm): a new weight version pauses the generations in
     # flight and they resume under it, instead of the version waiting for them to end; each

@@ -186,7 +186,8 @@ class Supervisor:
     def stop(self, names: list[str] | None = None, timeout_s: float = 10.0) -> None:
         """Stop the named components (an empty list: none), or all of them."""
         comps = [self.components[n] for n in names] if names is not None else list(self.components.values())
-        procs = [p for c in comps for p in c.procs if p.poll() is None]
+        # the components not done: running, or exited unnoticed (their leftovers must go too)
+        procs = [p for c in comps if not c.done for p in c.procs]
         self._terminate(procs, timeout_s)
         for c in comps:
             c.done = True

@@ -58,7 +58,7 @@ from astraflow.protocol.aclient import AsyncClient, follow
 from astraflow.protocol.backoff import Backoff
 from astraflow.protocol.client import moved_to, read_rendezvous, wait_rendezvous
 from astraflow.protocol.codec import RemoteError
-from astraflow.rollout.keepalive import keepalive_due
+from astraflow.rollout.keepalive import is_contact, keepalive_due
 from astraflow.rollout.engines import ENGINES, import_library
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.slurm.env import partition, rollout_worker_id
@@ -121,7 +121,7 @@ class RolloutWorker:
         self.worker_id = ""
         self.inflight: dict[int, asyncio.Task] = {}  # leased tasks until committed or handed back
         self.leased_at: dict[int, float] = {}  # task -> when its lease was granted or last renewed (monotonic)
-        self.last_contact = time.monotonic()  # the last answered request
+        self.last_contact = time.monotonic()  # the last answered request that named this worker
         self.last_latest = 0.0  # the last reply that named the published versions (monotonic)
         self.generating: set[int] = set()  # ... of which the episode still runs: these hold the slots
         self.slot_freed = asyncio.Event()
@@ -153,7 +153,8 @@ class RolloutWorker:
                         await self.register()
                 request = make()
                 reply = await self.client.call(request)
-                self.last_contact = time.monotonic()
+                if is_contact(request):
+                    self.last_contact = time.monotonic()
                 self.notice(getattr(reply, "latest", {}))
                 return reply
             except TimeoutError:
@@ -173,7 +174,7 @@ class RolloutWorker:
             hardware=self.hardware,
             partition=partition(), host=socket.gethostname(), pid=os.getpid(), engine_load_s=self.engine_load_s))
         self.worker_id = reply.worker_id
-        self.heartbeat_s = reply.heartbeat_s
+        self.heartbeat_s, self.lease_s = reply.heartbeat_s, reply.lease_s  # the rank's, which may differ from ours
         log.info("registered as %s", self.worker_id)
 
     async def environment(self) -> EnvironmentClient | None:
@@ -205,16 +206,18 @@ class RolloutWorker:
 
     # ------------------------------------------------------------- loops
     async def heartbeat_loop(self) -> None:
-        every = min(self.heartbeat_s, self.cfg.dataflow.lease_s / 3)
         while True:
+            every = min(self.heartbeat_s, self.lease_s / 3)  # as of the last registration
             await asyncio.sleep(every)
             now = time.monotonic()
-            heartbeat, due = keepalive_due(now, self.last_contact, self.leased_at, every, self.cfg.dataflow.lease_s / 2)
+            heartbeat, due = keepalive_due(now, self.last_contact, self.leased_at, every, self.lease_s / 2)
             if heartbeat:
                 await self.rpc(lambda: m.Heartbeat(self.worker_id, self.versions()))
             if due:
-                await self.rpc(lambda: m.Renew(self.worker_id, due))
-                self.leased_at.update(dict.fromkeys(due, now))
+                reply = await self.rpc(lambda: m.Renew(self.worker_id, due))
+                self.leased_at.update(dict.fromkeys(reply.renewed, now))
+                for task_id in reply.lost:  # handed to someone else: nothing left to renew
+                    self.leased_at.pop(task_id, None)
 
     async def follow_loop(self) -> None:
         """Reconnect as soon as a restarted rank publishes its new address (`aclient.follow`:

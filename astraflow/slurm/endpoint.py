@@ -6,7 +6,8 @@ group rendezvouses at its rank 0's (`tcp://address:port`, passed as `MASTER_ENV`
 store in rank 0's process, nothing on the shared filesystem (a file store relies on file
 locks that parallel filesystems do not always give across nodes). The reserving socket is
 closed before rank 0 binds the port again; c10d's store binds with SO_REUSEADDR, so a group
-that restarts as a whole binds the same port. Local runs keep their file store.
+that restarts as a whole binds the same port, and each start keeps its keys under its own
+prefix (`trainer/loop.py`). Local runs keep their file store.
 """
 from __future__ import annotations
 

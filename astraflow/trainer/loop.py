@@ -324,19 +324,27 @@ def run_trainer(run_dir: str, policy: str) -> bool:
     world = int(os.environ.get("ASTRAFLOW_WORLD", str(run.config.trainer.world)))
     torch.set_num_threads(run.config.trainer_for(policy).threads)
     if world > 1:
-        # On Slurm a TCP store at rank 0 (slurm/endpoint.py); locally a fresh file per launch
-        # (session) and group start: a FileStore left by a crashed group or an earlier launch
-        # cannot be reused. NCCL between GPUs, gloo on CPUs.
-        session = os.environ.get("ASTRAFLOW_SESSION", "manual")
-        store = Path(run.path) / "rendezvous" / f"torch-{policy}-{session}-{os.environ.get('ASTRAFLOW_START', '0')}"
-        init = f"tcp://{os.environ[MASTER_ENV]}" if os.environ.get(MASTER_ENV) else f"file://{store}"
+        # On Slurm a TCP store at rank 0 (slurm/endpoint.py), its keys under the group's start
+        # (a rank of a restarted group that reaches the last start's store while it shuts down
+        # finds none of that start's keys); locally a fresh file per launch (session) and group
+        # start: a FileStore left by a crashed group or an earlier launch cannot be reused.
+        # NCCL between GPUs, gloo on CPUs.
+        start, timeout = os.environ.get("ASTRAFLOW_START", "0"), datetime.timedelta(seconds=120)
+        if os.environ.get(MASTER_ENV):
+            where = f"tcp://{os.environ[MASTER_ENV]}"
+            host, port = os.environ[MASTER_ENV].rsplit(":", 1)
+            store = dist.PrefixStore(f"start-{start}/", dist.TCPStore(
+                host, int(port), world, is_master=rank == 0, timeout=timeout, wait_for_workers=False))
+        else:
+            session = os.environ.get("ASTRAFLOW_SESSION", "manual")
+            path = Path(run.path) / "rendezvous" / f"torch-{policy}-{session}-{start}"
+            where, store = f"file://{path}", dist.FileStore(str(path), world)
         device = hardware.device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        log.info("trainer group of %d: rank %d, %s, rendezvous at %s", world, rank, backend, init)
-        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        log.info("trainer group of %d: rank %d, %s, rendezvous at %s", world, rank, backend, where)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     trainer = Trainer(run, policy, rank, world)
     trainer.run_loop()
     if world > 1:

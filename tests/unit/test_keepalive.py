@@ -1,9 +1,11 @@
 """A worker's keep-alive traffic (`rollout/keepalive.py`): nothing while it talks to the rank
 and its episodes are short; renewals only for leases half their term old; a heartbeat after a
-silent interval when there is nothing to renew."""
+silent interval when there is nothing to renew; only requests that name the worker count as
+contact (the rank marks nobody seen on a `Weights` poll or a `Status`)."""
 from __future__ import annotations
 
-from astraflow.rollout.keepalive import keepalive_due
+from astraflow.protocol import messages as m
+from astraflow.rollout.keepalive import is_contact, keepalive_due
 
 
 def test_a_busy_worker_with_short_episodes_sends_nothing():
@@ -26,3 +28,8 @@ def test_silence_stays_inside_the_ranks_timeout_when_checked_every_interval():
         if keepalive_due(now, contact, {}, every, renew_after=30.0)[0]:
             longest, contact = max(longest, now - contact), now
     assert 0 < longest < 2 * every
+
+
+def test_only_requests_that_name_the_worker_are_contact():
+    assert is_contact(m.Heartbeat("w.r0")) and is_contact(m.Renew("w.r0", [1]))
+    assert not is_contact(m.Weights("policy")) and not is_contact(m.Status())

@@ -22,16 +22,22 @@ def wait_until(cond, timeout_s: float = 10.0) -> bool:
     return cond()
 
 
-def test_a_killed_component_takes_what_it_started_with_it(tmp_path: Path):
+def killed_parent(tmp_path: Path, sup: Supervisor) -> tuple[Component, int]:
+    """A component killed alone (as the OOM killer would), and the pid of its still running
+    grandchild."""
     out = tmp_path / "grandchild"
-    sup = Supervisor(max_restarts=1, backoff_s=30.0)
     comp = sup.add(Component("parent", [["sh", "-c", PARENT.format(out=out)]], tmp_path))
     assert wait_until(lambda: out.exists() and out.read_text().strip())
     grandchild = int(out.read_text())
-    assert alive(grandchild)
-    os.kill(comp.procs[0].pid, signal.SIGKILL)  # the component alone, as the OOM killer would
+    os.kill(comp.procs[0].pid, signal.SIGKILL)
     assert wait_until(lambda: comp.procs[0].poll() is not None)
     assert alive(grandchild)  # orphaned, still running
+    return comp, grandchild
+
+
+def test_a_killed_component_takes_what_it_started_with_it(tmp_path: Path):
+    sup = Supervisor(max_restarts=1, backoff_s=30.0)
+    _, grandchild = killed_parent(tmp_path, sup)
     sup.poll()  # notices the death (a restart is scheduled after the backoff)
     assert wait_until(lambda: not alive(grandchild)), "the orphan outlived its component"
     sup.stop()
@@ -46,3 +52,10 @@ def test_a_component_that_finishes_takes_what_it_left_running_with_it(tmp_path: 
     finished: list[str] = []
     assert wait_until(lambda: bool(finished.extend(sup.poll()) or finished)) and finished == ["quitter"]
     assert wait_until(lambda: not alive(grandchild)), "what it left running outlived it"
+
+
+def test_stopping_a_component_that_died_unnoticed_takes_what_it_started_with_it(tmp_path: Path):
+    sup = Supervisor(max_restarts=1, backoff_s=30.0)
+    _, grandchild = killed_parent(tmp_path, sup)
+    sup.stop()  # before any poll noticed the death
+    assert wait_until(lambda: not alive(grandchild)), "the orphan outlived its stopped component"
