@@ -271,6 +271,10 @@ def _check_parallel(cfg: Config, where: _Where) -> None:
     for key, value, least in (("tp", t.tp, 1), ("pp", t.pp, 1), ("dp", t.dp, 0)):
         if value < least:
             raise ConfigError(f"{where.at(f'trainer.{key}')}: trainer.{key}: expected >= {least}, got {value}")
+    if t.backend == "torch" and t.distributed_optimizer:
+        raise ConfigError(f"{where.at('trainer.distributed_optimizer')}: trainer.distributed_optimizer: true needs "
+                          f"trainer.backend megatron (the torch backend keeps a whole optimizer on every rank); "
+                          f"expected false")
     if t.backend == "torch" and (t.tp, t.pp) != (1, 1):
         key = "tp" if t.tp != 1 else "pp"
         raise ConfigError(f"{where.at(f'trainer.{key}')}: trainer.{key}: {getattr(t, key)}, but the torch backend is "

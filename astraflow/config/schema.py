@@ -324,6 +324,10 @@ class TrainerConfig:
     tp: int = 1
     pp: int = 1  # see tp
     dp: int = 0  # data-parallel replicas; 0: world / (tp x pp)
+    # megatron: shard the fp32 master weights and AdamW state over the data-parallel
+    # replicas (Megatron's distributed optimizer, ZeRO stage 1): 12 bytes a parameter
+    # divided by the replicas, for one broadcast of the parameters per step
+    distributed_optimizer: bool = False
     threads: int = 1  # torch CPU threads per trainer rank
     # Memory at LLM scale: a minibatch is cut into micro-batches of at most this many tokens
     # (padding included; sequences of similar length go together) whose gradients accumulate;

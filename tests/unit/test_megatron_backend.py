@@ -5,11 +5,12 @@ tp = 2 x dp = 2, pp = 2 and tp = 2 x pp = 2 (at pp = 2 through megatron's pipeli
 forward only), the model gathered back to HF layout is bit-exact (tied embeddings split over
 two stages included), and one training step (micro-batches, the KL term,
 gradient clipping) gives the loss, statistics, clipped gradients and updated weights of the
-torch backend on the same batch (with dp = 2 each replica trains on its half of the batch, as
+torch backend on the same batch, with the optimizer whole or sharded over two replicas (with
+dp = 2 each replica trains on its half of the batch, as
 the dataflow rank deals it, and the statistics are those of the halves together). (The step is
 one optimizer step; the proximal policy of later minibatches is the shared `trainer/step.py`
 scoring through the same `scores` compared above.) The trained model is checkpointed (a
-collective: one file per tensor-parallel rank and stage in `step-<N>/`), moved by another step, and
+collective: one file per tensor-parallel rank, stage and optimizer shard in `step-<N>/`), moved by another step, and
 loaded back bit for bit.
 
 Updated weights agree within 1e-5 wherever the gradient is above 1e-7: AdamW's first
@@ -40,15 +41,22 @@ TEMPERATURE = 0.7
 CONFIG = """
 policies: [{{name: policy}}]
 engine: {{temperature: {temperature}}}
-trainer: {{backend: {backend}, tp: {tp}, pp: {pp}, world: {world}, lr: {lr}, ref_kl: 0.1, max_tokens_per_microbatch: 120,
+trainer: {{backend: {backend}, tp: {tp}, pp: {pp}, world: {world}, distributed_optimizer: {sharded}, lr: {lr},
+           ref_kl: 0.1, max_tokens_per_microbatch: 120,
            logprob_chunk_tokens: 7}}
 """
 LR = 1e-3
 RANK_TIMEOUT_S = 240
 
 
-def config(backend: str, tp: int = 1, world: int = 1, pp: int = 1):
-    return parse_config(CONFIG.format(temperature=TEMPERATURE, backend=backend, tp=tp, pp=pp, world=world, lr=LR))
+def config(backend: str, tp: int = 1, world: int = 1, pp: int = 1, sharded: bool = False):
+    return parse_config(CONFIG.format(temperature=TEMPERATURE, backend=backend, tp=tp, pp=pp, world=world, lr=LR,
+                                      sharded=str(sharded).lower()))
+
+
+def masters(backend) -> dict[str, torch.Tensor]:
+    """The fp32 master weights this rank's optimizer shard owns, by parameter name."""
+    return {k: v["master"] for k, v in backend.optim.state().items()}
 
 
 def score_rows(vocab: int) -> TokenBatch:
@@ -65,7 +73,7 @@ def share(reply: m.BatchReply, rank: int, world: int) -> m.BatchReply:
         group_mean=reply.group_mean[rows], group_std=reply.group_std[rows])
 
 
-def rank_main(rank: int, world: int, tp: int, pp: int, store: str, model_dir: str, out: str) -> None:
+def rank_main(rank: int, world: int, tp: int, pp: int, sharded: bool, store: str, model_dir: str, out: str) -> None:
     """One rank: score, gather to HF layout, train one step on its replica's rows, gather again;
     rank 0 saves it all, with every rank's statistics."""
     import torch.distributed as dist
@@ -75,7 +83,7 @@ def rank_main(rank: int, world: int, tp: int, pp: int, store: str, model_dir: st
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world, pp), "policy", rank, world)
+    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world, pp, sharded), "policy", rank, world)
     result = {"logp": backend.score(score_rows(backend.spec.vocab)), "hf": backend.hf_state_dict()}
     served = share(served_batch(backend.spec.vocab), backend.data_rank, backend.data_world)
     stats = (backend.data_rank, backend.train_step(served, 4, LR))
@@ -95,11 +103,11 @@ def rank_main(rank: int, world: int, tp: int, pp: int, store: str, model_dir: st
         torch.save(result, out)
 
 
-def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int, pp: int = 1) -> dict:
+def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int, pp: int = 1, sharded: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     out = tmp_path / f"tp{tp}-pp{pp}-dp{dp}.pt"
     world = tp * pp * dp
-    procs = [ctx.Process(target=rank_main, args=(r, world, tp, pp, str(tmp_path / f"store-{tp}-{pp}-{dp}"),
+    procs = [ctx.Process(target=rank_main, args=(r, world, tp, pp, sharded, str(tmp_path / f"store-{tp}-{pp}-{dp}"),
                                                  str(model_dir), str(out)))
              for r in range(world)]
     for p in procs:
@@ -146,9 +154,10 @@ def token_mean(stats: list[dict], key: str) -> float:
     return sum(s[key] * s["completion_len"] for s in stats) / sum(s["completion_len"] for s in stats)
 
 
-@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1), (2, 2, 1)])
-def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, tmp_path, tp, pp, dp):
-    got = run_ranks(tmp_path, model_dir, tp, dp, pp)
+@pytest.mark.parametrize("tp, pp, dp, sharded", [(1, 1, 1, False), (2, 1, 1, False), (2, 1, 2, False),
+                                                  (1, 1, 2, True), (1, 2, 1, False), (2, 2, 1, False)])
+def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, tmp_path, tp, pp, dp, sharded):
+    got = run_ranks(tmp_path, model_dir, tp, dp, pp, sharded)
     ref = torch_reference
     assert (got["logp"] - ref["logp"]).abs().max().item() <= 1e-5
     # HF -> Megatron (tp ranks) -> HF: every tensor bit for bit
@@ -171,21 +180,24 @@ def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, t
     anywhere = max(d.max().item() for d in diff.values())
     assert above_eps <= 1e-5 and anywhere <= LR / 10, json.dumps({"above_eps": above_eps, "anywhere": anywhere})
     # the checkpoint: a file per tensor-parallel rank, loaded back bit for bit
-    assert got["loaded_step"] == 4 and got["files"] == sorted(f"tp{t}-pp{p}.pt" for t in range(tp) for p in range(pp))
+    shards = dp if sharded else 1  # the distributed optimizer: a file per replica's shard
+    assert got["loaded_step"] == 4 and got["files"] == sorted(f"tp{t}-pp{p}-dp{d}.pt" for t in range(tp)
+                                                              for p in range(pp) for d in range(shards))
     assert [k for k in got["after"] if not torch.equal(got["reloaded"][k], got["after"][k])] == []
 
 
 
 def load_main(rank: int, world: int, tp: int, store: str, model_dir: str, ckpt: str, out: str) -> None:
-    """One rank of a group of another data-parallel size: load a checkpoint, gather to HF
-    layout, and take one step (every replica must hold the same model and optimizer state)."""
+    """One rank of a group of another data-parallel size, its optimizer sharded over the
+    replicas: load a checkpoint, gather to HF layout, and take one step (every replica must
+    then hold the same model)."""
     import torch.distributed as dist
 
     from astraflow.trainer.megatron.backend import MegatronBackend
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world), "policy", rank, world)
+    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world, sharded=True), "policy", rank, world)
     step = backend.load(Path(ckpt))
     loaded = backend.hf_state_dict()
     served = share(served_batch(backend.spec.vocab, seed=3), backend.data_rank, backend.data_world)
@@ -197,8 +209,9 @@ def load_main(rank: int, world: int, tp: int, store: str, model_dir: str, ckpt: 
 
 
 def test_a_checkpoint_resumes_on_another_data_parallel_size(model_dir, tmp_path):
-    """Saved by one replica of tp = 2, loaded by two (tp = 2 x dp = 2): every rank holds the
-    saved model, and after a step the replicas still agree (same optimizer state)."""
+    """Saved by one replica of tp = 2, loaded by two (tp = 2 x dp = 2) whose optimizer is
+    sharded over them: every rank holds the saved model, and after a step the replicas still
+    agree (each parameter stepped by its owner from the saved state, then broadcast)."""
     saved = run_ranks(tmp_path, model_dir, tp=2, dp=1)
     ctx = mp.get_context("spawn")
     out = tmp_path / "resumed.pt"
@@ -233,15 +246,15 @@ def bf16_main(model_dir: str, out: str) -> None:
     backend = MegatronBackend(Path(model_dir), cfg, "policy", 0, 1)
     params = dict(backend.model.named_parameters())
     result = {"dtypes": {p.dtype for p in params.values()}, "logp": backend.score(score_rows(backend.spec.vocab)),
-              "masters_before": {k: v.clone() for k, v in backend.optim.master_state().items()}}
+              "masters_before": masters(backend)}
     result["stats"] = backend.train_step(served_batch(backend.spec.vocab), 4, LR)
     backend.train_step(served_batch(backend.spec.vocab, seed=1), 5, LR)
-    result["masters"] = {k: v.clone() for k, v in backend.optim.master_state().items()}
+    result["masters"] = masters(backend)
     result["params"] = {k: p.detach().clone() for k, p in params.items()}
     ckpt = backend.save(Path(out).parent / "checkpoints", 5)
     backend.train_step(served_batch(backend.spec.vocab, seed=2), 6, LR)
     backend.load(ckpt)
-    result["reloaded"] = backend.optim.master_state()
+    result["reloaded"] = masters(backend)
     result["reloaded_params"] = {k: p.detach().clone() for k, p in params.items()}
     torch.save(result, out)
 

@@ -27,6 +27,8 @@ def config(trainer: str, model: str = "{like: qwen2.5, size: small}"):
     ("{backend: torch, world: 2, tp: 2}", r"trainer\.tp: 2, but the torch backend is data parallel only"),
     ("{backend: megatron, tp: 0}", r"trainer\.tp: expected >= 1, got 0"),
     ("{backend: megatron, dp: -1}", r"trainer\.dp: expected >= 0, got -1"),
+    ("{backend: torch, world: 2, distributed_optimizer: true}",
+     r"trainer\.distributed_optimizer: true needs trainer\.backend megatron"),
 ])
 def test_a_world_that_is_not_tp_pp_dp_is_refused_by_the_config(trainer, match):
     with pytest.raises(ConfigError, match=match):

@@ -9,25 +9,29 @@ shared one (`trainer/step.py`: the torch backend's loss, KL term and statistics)
 micro-batches run one after another at pp = 1 and through megatron's pipeline schedule at
 pp > 1 (`pipeline.py`), where the step's statistics are the last stage's, broadcast.
 
-This backend's part of a step: gradients accumulate locally over micro-batches, then are
-averaged over the data-parallel group (one all-reduce per parameter, on the minibatch's last
-micro-batch), the two copies of tied embeddings on the first and last pipeline stages get
-the sum of their gradients (Megatron's embedding group), and all are clipped by their global
-norm (the squares of tensor-parallel shards summed over the tensor-parallel group,
-replicated parameters counted once, stages summed over the pipeline group), and `torch.optim.AdamW`
-steps fp32 master weights (`master.py`; Megatron's own optimizer needs a GPU, and its
-distributed optimizer is not used yet). The model's parameters are in the compute dtype
-(bf16 on a GPU), as Megatron runs them, not fp32 under autocast: Megatron's activation
-recompute (`trainer.activation_checkpointing`: full recompute) re-runs layers outside any
-autocast region. A checkpoint keeps the fp32 masters.
+This backend's part of a step: gradients accumulate locally over micro-batches, in fp32,
+then are averaged over the data-parallel group (one all-reduce per parameter, on the
+minibatch's last micro-batch), the two copies of tied embeddings on the first and last
+pipeline stages get the sum of their gradients (Megatron's embedding group), and all are
+clipped by their global norm (the squares of tensor-parallel shards summed over the
+tensor-parallel group, replicated parameters counted once, stages summed over the pipeline
+group), and `torch.optim.AdamW` steps fp32 master weights (`master.py`; Megatron's own
+optimizer needs a GPU). With `trainer.distributed_optimizer` the masters and AdamW state
+are sharded over the data-parallel replicas, each parameter stepped by its owner and
+broadcast (ZeRO stage 1, as Megatron's distributed optimizer). The model's parameters are
+in the compute dtype (bf16 on a GPU), as Megatron runs them, not fp32 under autocast:
+Megatron's activation recompute (`trainer.activation_checkpointing`: full recompute)
+re-runs layers outside any autocast region.
 
 `hf_state_dict` is the model in HF layout. With tp = pp = 1 every rank holds the whole model
 and converts its own; otherwise it gathers the shards of every stage and tensor-parallel
-rank, a collective called on every rank of the group (`trainer/loop.py`). `save` is a collective too: a checkpoint is a
-directory `step-<N>/` with one file per rank of the first model replica (`tp<t>-pp<p>.pt`:
-its parameters and optimizer state, with tp and pp recorded: a checkpoint loads only into
-the same tensor-parallel layout), written under a temporary name and renamed by rank 0 once
-every file is there; `load` reads this rank's file.
+rank, a collective called on every rank of the group (`trainer/loop.py`). `save` is a
+collective too: a checkpoint is a directory `step-<N>/` with one file per stage,
+tensor-parallel rank and optimizer shard (`tp<t>-pp<p>-dp<d>.pt`: the fp32 masters and AdamW
+state the shard owns, by parameter name, with tp and pp recorded), written under a temporary
+name and renamed by rank 0 once every file is there. `load` reads every shard's file of its
+stage and tensor-parallel rank, so a checkpoint loads into the same tp and pp with any number
+of data-parallel replicas, sharded or not.
 """
 from __future__ import annotations
 
@@ -103,7 +107,9 @@ class MegatronBackend:
             self.ref = self._build(hf, False).eval()
             self.ref.requires_grad_(False)
         self.temperature = cfg.engine.temperature
-        self.optim = MasterWeights(self.model, self.tcfg.lr, self.tcfg.weight_decay)
+        shards = self.data_world if self.tcfg.distributed_optimizer else 1
+        self.optim = MasterWeights(self.model, self.tcfg.lr, self.tcfg.weight_decay, shards, self.data_rank % shards,
+                                   self.data_group if shards > 1 else None)
         self.schedule = Pipeline(self) if self.pp > 1 else Sequential(self)
 
     def _build(self, hf: dict[str, torch.Tensor], recompute: bool) -> torch.nn.Module:
@@ -128,34 +134,31 @@ class MegatronBackend:
         return contextlib.nullcontext()  # gradients are synchronised in finish_gradients
 
     def finish_gradients(self) -> float:
-        named = self.optim.named_masters  # fp32: the gradients are accumulated there
-        params = [p for _, p in named]
-        for p in params:
-            if p.grad is None:  # unused in this minibatch: a zero gradient, for the collectives
-                p.grad = torch.zeros_like(p)
+        named = self.optim.named_grads  # fp32, accumulated over the micro-batches
+        grads = [g for _, g in named]
         if self.data_world > 1:
             group = parallel_state.get_data_parallel_group()
-            for p in params:
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(self.data_world)
+            for g in grads:
+                dist.all_reduce(g, group=group)
+                g.div_(self.data_world)
         if self.tied_copy is not None:  # the tied weight's gradient: both copies' uses
-            dist.all_reduce(dict(named)[self.tied_copy].grad, group=parallel_state.get_embedding_group())
+            dist.all_reduce(dict(named)[self.tied_copy], group=parallel_state.get_embedding_group())
         # which parameters are split across the tensor-parallel ranks: from the mapping's table
         # (Megatron marks them only when it initialises the weights, which is skipped here)
         split = [n in self.sharded for n, _ in named]
         counted = [not (self.tied_copy == OUTPUT and n == OUTPUT) for n, _ in named]  # the copy: once
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        sharded = sum((p.grad.double().pow(2).sum() for p, s, c in zip(params, split, counted) if s and c), zero)
+        sharded = sum((g.double().pow(2).sum() for g, s, c in zip(grads, split, counted) if s and c), zero)
         if self.tp > 1:
             dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        total = sharded + sum((p.grad.double().pow(2).sum() for p, s in zip(params, split) if not s), zero)
+        total = sharded + sum((g.double().pow(2).sum() for g, s in zip(grads, split) if not s), zero)
         if self.pp > 1:
             dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
         norm = float(total.sqrt())
         coef = min(1.0, self.tcfg.grad_clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
+            for g in grads:
+                g.mul_(coef)
         return norm
 
     def train_step(self, reply: BatchReply, step: int, lr: float) -> dict[str, float]:
@@ -190,21 +193,21 @@ class MegatronBackend:
 
     @property
     def shard_name(self) -> str:
-        return f"tp{self.tp_rank}-pp{self.pp_rank}.pt"
+        """This rank's checkpoint file: its stage, tensor-parallel rank and optimizer shard."""
+        return f"tp{self.tp_rank}-pp{self.pp_rank}-dp{self.optim.shard}.pt"
 
     def save(self, ckpt_dir: Path, step: int) -> Path:
-        """A collective: every rank calls it; the first replica's ranks write, rank 0 commits."""
+        """A collective: every rank calls it; the ranks of the first replica write (with the
+        distributed optimizer, of every replica: each its own shard), rank 0 commits."""
         ckpt_dir = Path(ckpt_dir)
         final, tmp = ckpt_dir / f"step-{step}", ckpt_dir / f".step-{step}.tmp"
         if self.rank == 0:  # a fresh temporary directory: one left by a group killed mid-save goes
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        if self.data_rank == 0:  # the other replicas hold the same model and optimizer state
+        if self.data_rank == self.optim.shard:  # the other replicas hold the same shard
             part = tmp / f".{self.shard_name}.tmp"
-            weights = {**mm.parameters(self.model), **self.optim.master_state()}  # fp32 masters
-            torch.save({"model": weights, "optim": self.optim.state_dict(), "step": step,
-                        "tp": self.tp, "pp": self.pp}, part)
+            torch.save({"masters": self.optim.state(), "step": step, "tp": self.tp, "pp": self.pp}, part)
             commit_file(part, tmp / self.shard_name)
         dist.barrier()
         if self.rank == 0:
@@ -215,14 +218,22 @@ class MegatronBackend:
         return final
 
     def load(self, path: Path) -> int:
-        state = torch.load(Path(path) / self.shard_name, weights_only=True, map_location=self.device)
-        if (state.get("tp"), state.get("pp")) != (self.tp, self.pp):
-            raise ValueError(f"{path}: a checkpoint of tp={state.get('tp')}, pp={state.get('pp')}; this trainer "
-                             f"has tp={self.tp}, pp={self.pp} (resharding a checkpoint is not built yet)")
-        mm.load_shard(self.model, state["model"])
-        self.optim.load_masters(state["model"])
-        self.optim.load_state_dict(state["optim"])
-        return int(state["step"])
+        """This rank's stage and tensor-parallel shard from every optimizer shard's file (so a
+        checkpoint loads into any number of data-parallel replicas, sharded or not)."""
+        files = sorted(Path(path).glob(f"tp{self.tp_rank}-pp{self.pp_rank}-dp*.pt"))
+        parts, step = {}, None
+        for f in files:
+            state = torch.load(f, weights_only=True, map_location=self.device)
+            if (state["tp"], state["pp"]) != (self.tp, self.pp):
+                raise ValueError(f"{f}: a checkpoint of tp={state['tp']}, pp={state['pp']}; this trainer has "
+                                 f"tp={self.tp}, pp={self.pp} (resharding a checkpoint is not built yet)")
+            parts.update(state["masters"])
+            step = int(state["step"])
+        if step is None:
+            raise ValueError(f"{path}: no checkpoint file for tensor-parallel rank {self.tp_rank}, stage "
+                             f"{self.pp_rank} (a checkpoint of another tp or pp?)")
+        self.optim.load(parts)
+        return step
 
     def score(self, batch: TokenBatch) -> torch.Tensor:
         """Log-probabilities of a batch's targets under the current weights (no gradient), on
