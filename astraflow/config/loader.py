@@ -275,6 +275,10 @@ def _check_parallel(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('trainer.distributed_optimizer')}: trainer.distributed_optimizer: true needs "
                           f"trainer.backend megatron (the torch backend keeps a whole optimizer on every rank); "
                           f"expected false")
+    if t.sequence_parallel and (t.backend != "megatron" or t.tp < 2):
+        raise ConfigError(f"{where.at('trainer.sequence_parallel')}: trainer.sequence_parallel: true splits the "
+                          f"sequence over tensor-parallel ranks: it needs trainer.backend megatron and trainer.tp > 1 "
+                          f"(backend {t.backend}, tp {t.tp})")
     if t.backend == "torch" and (t.tp, t.pp) != (1, 1):
         key = "tp" if t.tp != 1 else "pp"
         raise ConfigError(f"{where.at(f'trainer.{key}')}: trainer.{key}: {getattr(t, key)}, but the torch backend is "

@@ -328,6 +328,10 @@ class TrainerConfig:
     # replicas (Megatron's distributed optimizer, ZeRO stage 1): 12 bytes a parameter
     # divided by the replicas, for one broadcast of the parameters per step
     distributed_optimizer: bool = False
+    # megatron, tp > 1: split the activations between layers along the sequence over the
+    # tensor-parallel ranks (Megatron's sequence parallelism: activation memory / tp, the
+    # same traffic as tensor parallelism's all-reduces)
+    sequence_parallel: bool = False
     threads: int = 1  # torch CPU threads per trainer rank
     # Memory at LLM scale: a minibatch is cut into micro-batches of at most this many tokens
     # (padding included; sequences of similar length go together) whose gradients accumulate;

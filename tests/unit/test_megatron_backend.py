@@ -1,8 +1,9 @@
 """The megatron trainer backend against the HF model it was loaded from, in real processes
 (tensor or pipeline parallelism: two ranks over gloo; with both, or with data parallelism,
 four): logprobs equal an HF forward pass (fp32, max |diff| <= 1e-5) at tp = 1, tp = 2,
-tp = 2 x dp = 2, pp = 2 and tp = 2 x pp = 2 (at pp = 2 through megatron's pipeline schedule,
-forward only), the model gathered back to HF layout is bit-exact (tied embeddings split over
+tp = 2 x dp = 2, pp = 2 and tp = 2 x pp = 2 with sequence parallelism (at pp = 2 through
+megatron's pipeline schedule, forward only; the rows' odd lengths padded for the sequence
+split), the model gathered back to HF layout is bit-exact (tied embeddings split over
 two stages included), and one training step (micro-batches, the KL term,
 gradient clipping) gives the loss, statistics, clipped gradients and updated weights of the
 torch backend on the same batch, with the optimizer whole or sharded over two replicas (with
@@ -42,6 +43,7 @@ CONFIG = """
 policies: [{{name: policy}}]
 engine: {{temperature: {temperature}}}
 trainer: {{backend: {backend}, tp: {tp}, pp: {pp}, world: {world}, distributed_optimizer: {sharded}, lr: {lr},
+           sequence_parallel: {sp},
            ref_kl: 0.1, max_tokens_per_microbatch: 120,
            logprob_chunk_tokens: 7}}
 """
@@ -49,9 +51,9 @@ LR = 1e-3
 RANK_TIMEOUT_S = 240
 
 
-def config(backend: str, tp: int = 1, world: int = 1, pp: int = 1, sharded: bool = False):
+def config(backend: str, tp: int = 1, world: int = 1, pp: int = 1, sharded: bool = False, sp: bool = False):
     return parse_config(CONFIG.format(temperature=TEMPERATURE, backend=backend, tp=tp, pp=pp, world=world, lr=LR,
-                                      sharded=str(sharded).lower()))
+                                      sharded=str(sharded).lower(), sp=str(sp).lower()))
 
 
 def masters(backend) -> dict[str, torch.Tensor]:
@@ -73,7 +75,7 @@ def share(reply: m.BatchReply, rank: int, world: int) -> m.BatchReply:
         group_mean=reply.group_mean[rows], group_std=reply.group_std[rows])
 
 
-def rank_main(rank: int, world: int, tp: int, pp: int, sharded: bool, store: str, model_dir: str, out: str) -> None:
+def rank_main(rank: int, world: int, tp: int, pp: int, options: dict, store: str, model_dir: str, out: str) -> None:
     """One rank: score, gather to HF layout, train one step on its replica's rows, gather again;
     rank 0 saves it all, with every rank's statistics."""
     import torch.distributed as dist
@@ -83,8 +85,9 @@ def rank_main(rank: int, world: int, tp: int, pp: int, sharded: bool, store: str
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world, pp, sharded), "policy", rank, world)
-    result = {"logp": backend.score(score_rows(backend.spec.vocab)), "hf": backend.hf_state_dict()}
+    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world, pp, **options), "policy", rank, world)
+    result = {"logp": backend.score(score_rows(backend.spec.vocab)), "hf": backend.hf_state_dict(),
+              "sequence_parallel": backend.model.config.sequence_parallel}
     served = share(served_batch(backend.spec.vocab), backend.data_rank, backend.data_world)
     stats = (backend.data_rank, backend.train_step(served, 4, LR))
     result["stats"] = [None] * world
@@ -103,11 +106,12 @@ def rank_main(rank: int, world: int, tp: int, pp: int, sharded: bool, store: str
         torch.save(result, out)
 
 
-def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int, pp: int = 1, sharded: bool = False) -> dict:
+def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int, pp: int = 1, **options: bool) -> dict:
+    """Every rank of a tp x pp x dp group (`options`: `config`'s sharded, sp); rank 0's result."""
     ctx = mp.get_context("spawn")
     out = tmp_path / f"tp{tp}-pp{pp}-dp{dp}.pt"
     world = tp * pp * dp
-    procs = [ctx.Process(target=rank_main, args=(r, world, tp, pp, sharded, str(tmp_path / f"store-{tp}-{pp}-{dp}"),
+    procs = [ctx.Process(target=rank_main, args=(r, world, tp, pp, options, str(tmp_path / f"store-{tp}-{pp}-{dp}"),
                                                  str(model_dir), str(out)))
              for r in range(world)]
     for p in procs:
@@ -154,11 +158,13 @@ def token_mean(stats: list[dict], key: str) -> float:
     return sum(s[key] * s["completion_len"] for s in stats) / sum(s["completion_len"] for s in stats)
 
 
-@pytest.mark.parametrize("tp, pp, dp, sharded", [(1, 1, 1, False), (2, 1, 1, False), (2, 1, 2, False),
-                                                  (1, 1, 2, True), (1, 2, 1, False), (2, 2, 1, False)])
-def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, tmp_path, tp, pp, dp, sharded):
-    got = run_ranks(tmp_path, model_dir, tp, dp, pp, sharded)
+@pytest.mark.parametrize("tp, pp, dp, sharded, sp", [(1, 1, 1, False, False), (2, 1, 1, False, False),
+                                                      (2, 1, 2, False, False), (1, 1, 2, True, False),
+                                                      (1, 2, 1, False, False), (2, 2, 1, False, True)])
+def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, tmp_path, tp, pp, dp, sharded, sp):
+    got = run_ranks(tmp_path, model_dir, tp, dp, pp, sharded=sharded, sp=sp)
     ref = torch_reference
+    assert got["sequence_parallel"] == sp
     assert (got["logp"] - ref["logp"]).abs().max().item() <= 1e-5
     # HF -> Megatron (tp ranks) -> HF: every tensor bit for bit
     assert sorted(got["hf"]) == sorted(ref["hf"])

@@ -29,6 +29,8 @@ def config(trainer: str, model: str = "{like: qwen2.5, size: small}"):
     ("{backend: megatron, dp: -1}", r"trainer\.dp: expected >= 0, got -1"),
     ("{backend: torch, world: 2, distributed_optimizer: true}",
      r"trainer\.distributed_optimizer: true needs trainer\.backend megatron"),
+    ("{backend: megatron, sequence_parallel: true}",
+     r"trainer\.sequence_parallel: true .* needs trainer\.backend megatron and trainer\.tp > 1 \(backend megatron, tp 1\)"),
 ])
 def test_a_world_that_is_not_tp_pp_dp_is_refused_by_the_config(trainer, match):
     with pytest.raises(ConfigError, match=match):

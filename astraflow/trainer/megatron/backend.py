@@ -12,8 +12,9 @@ pp > 1 (`pipeline.py`), where the step's statistics are the last stage's, broadc
 This backend's part of a step: gradients accumulate locally over micro-batches, in fp32,
 then are averaged over the data-parallel group (one all-reduce per parameter, on the
 minibatch's last micro-batch), the two copies of tied embeddings on the first and last
-pipeline stages get the sum of their gradients (Megatron's embedding group), and all are
-clipped by their global norm (the squares of tensor-parallel shards summed over the
+pipeline stages get the sum of their gradients (Megatron's embedding group), under sequence
+parallelism the norms' gradients (each rank saw a slice of the sequence) are summed over the
+tensor-parallel group, and all are clipped by their global norm (the squares of tensor-parallel shards summed over the
 tensor-parallel group, replicated parameters counted once, stages summed over the pipeline
 group), and `torch.optim.AdamW` steps fp32 master weights (`master.py`; Megatron's own
 optimizer needs a GPU). With `trainer.distributed_optimizer` the masters and AdamW state
@@ -113,7 +114,7 @@ class MegatronBackend:
         self.schedule = Pipeline(self) if self.pp > 1 else Sequential(self)
 
     def _build(self, hf: dict[str, torch.Tensor], recompute: bool) -> torch.nn.Module:
-        model = mm.build_model(self.spec, self.tp, self.pp, self.dtype, recompute)
+        model = mm.build_model(self.spec, self.tp, self.pp, self.dtype, recompute, self.tcfg.sequence_parallel)
         shard = to_megatron(hf, self.spec, self.tp, self.tp_rank)
         mm.load_shard(model, to_stage(shard, self.spec, self.pp, self.pp_rank))
         return model.to(self.device)
@@ -146,6 +147,10 @@ class MegatronBackend:
         # which parameters are split across the tensor-parallel ranks: from the mapping's table
         # (Megatron marks them only when it initialises the weights, which is skipped here)
         split = [n in self.sharded for n, _ in named]
+        if self.tcfg.sequence_parallel:  # the norms saw only this rank's slice of the sequence
+            for g, s in zip(grads, split):
+                if not s:
+                    dist.all_reduce(g, group=parallel_state.get_tensor_model_parallel_group())
         counted = [not (self.tied_copy == OUTPUT and n == OUTPUT) for n, _ in named]  # the copy: once
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         sharded = sum((g.double().pow(2).sum() for g, s, c in zip(grads, split, counted) if s and c), zero)

@@ -26,7 +26,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from astraflow.trainer.batch import TokenBatch
 from astraflow.trainer.loss import LossSums
-from astraflow.trainer.megatron.model import decode, embed
+from astraflow.trainer.megatron.model import decode, embed, full_sequence, padded_length
 from astraflow.trainer.megatron.scoring import score_hidden, trained
 from astraflow.trainer.scoring import Scores
 from astraflow.trainer.step import micro_loss
@@ -50,16 +50,19 @@ class Pipeline:
         else:  # what the schedule received from the stage before (`model.set_input_tensor`)
             received = b.model.decoder.input_tensor
             x, x_ref = (received, None) if b.ref is None else received.chunk(2, dim=-1)
-        h = decode(b.model, x, length)
+        h = decode(b.model, x, padded_length(b.model, length))
         h_ref = None
         if b.ref is not None:
             with torch.no_grad():
-                h_ref = decode(b.ref, x_ref.detach(), length)
+                h_ref = decode(b.ref, x_ref.detach(), padded_length(b.ref, length))
         if not self.last:  # what is sent on must be contiguous (a layer's output can be a view)
             return (h if h_ref is None else torch.cat([h, h_ref], dim=-1)).contiguous()
-        return score_hidden(b.model, trained(h.transpose(0, 1), mb), mb.targets, b.temperature, b.spec.vocab,
-                            b.tcfg.logprob_chunk_tokens, b.ref,
-                            trained(h_ref.transpose(0, 1), mb) if h_ref is not None else None)
+
+        def final(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+            return trained(full_sequence(model, hidden, length).transpose(0, 1), mb)
+
+        return score_hidden(b.model, final(b.model, h), mb.targets, b.temperature, b.spec.vocab,
+                            b.tcfg.logprob_chunk_tokens, b.ref, final(b.ref, h_ref) if h_ref is not None else None)
 
     def _run(self, items: list[tuple[TokenBatch, Any]], loss: Any, forward_only: bool) -> list:
         """The schedule over `items` (micro-batch, extra): each stage's forward, on the last stage

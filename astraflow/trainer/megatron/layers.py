@@ -1,18 +1,20 @@
-"""Causal self-attention for megatron-core's local layer spec through PyTorch's
-`scaled_dot_product_attention`.
+"""The pieces of megatron-core's local layer spec (no TransformerEngine, no Apex) that this
+backend replaces: causal self-attention through PyTorch's `scaled_dot_product_attention`,
+and an RMSNorm that runs under sequence parallelism.
 
-Megatron's own `DotProductAttention` (what the local spec uses without TransformerEngine)
-materialises the (sequence × sequence) score matrix of every head and runs the softmax
-unfused: at 4k tokens that dominated the megatron backend's step on a GPU. `SdpaAttention`
-takes its place in the layer spec (`model.py`) and computes the same function with PyTorch's
-fused kernels (flash or memory-efficient attention on a GPU, the math kernel on a CPU):
-causal, scaled by 1/sqrt(head dim), grouped-query heads shared by their query group, no
-dropout (the backend has none). Inputs are Megatron's [sequence, batch, heads, head dim];
-the output is [sequence, batch, heads × head dim] of this tensor-parallel rank's heads.
+Megatron's own `DotProductAttention` materialises the (sequence × sequence) score matrix of
+every head and runs the softmax unfused: at 4k tokens that dominated the megatron backend's
+step on a GPU. `SdpaAttention` computes the same function with PyTorch's fused kernels
+(flash or memory-efficient attention on a GPU, the math kernel on a CPU): causal, scaled by
+1/sqrt(head dim), grouped-query heads shared by their query group, no dropout (the backend
+has none). Inputs are Megatron's [sequence, batch, heads, head dim]; the output is
+[sequence, batch, heads × head dim] of this tensor-parallel rank's heads. The attention is
+causal whatever mask the caller passes; the backend's rows are right-padded, so causality is
+all the masking they need (padded positions come after the real ones and are never trained).
 
-Invariant: the attention is causal whatever mask the caller passes; the backend's rows are
-right-padded, so causality is all the masking they need (padded positions come after the
-real ones and are never trained).
+Megatron's `WrappedTorchNorm` (its norm without Apex) refuses sequence parallelism because
+nothing would sum the norm's gradient over the sequence slices; the backend does
+(`backend.finish_gradients`), so `RMSNorm` is torch's, built from Megatron's arguments.
 """
 from __future__ import annotations
 
@@ -45,3 +47,8 @@ class SdpaAttention(MegatronModule):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                              enable_gqa=self.heads != self.groups)
         return out.permute(2, 0, 1, 3).reshape(length, batch, -1)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
