@@ -3,16 +3,17 @@
 four): logprobs equal an HF forward pass (fp32, max |diff| <= 1e-5) at tp = 1, tp = 2,
 tp = 2 x dp = 2, pp = 2 and tp = 2 x pp = 2 with sequence parallelism (at pp = 2 through
 megatron's pipeline schedule, forward only; the rows' odd lengths padded for the sequence
-split), the model gathered back to HF layout is bit-exact (tied embeddings split over
-two stages included), and one training step (micro-batches, the KL term,
-gradient clipping) gives the loss, statistics, clipped gradients and updated weights of the
-torch backend on the same batch, with the optimizer whole or sharded over two replicas (with
-dp = 2 each replica trains on its half of the batch, as
-the dataflow rank deals it, and the statistics are those of the halves together). (The step is
-one optimizer step; the proximal policy of later minibatches is the shared `trainer/step.py`
-scoring through the same `scores` compared above.) The trained model is checkpointed (a
-collective: one file per tensor-parallel rank, stage and optimizer shard in `step-<N>/`), moved by another step, and
-loaded back bit for bit.
+split), the model gathered back to HF layout is bit-exact (tied embeddings split over two
+stages included), and one training step (micro-batches, the KL term, gradient clipping)
+gives the loss, statistics, clipped gradients and updated weights of the torch backend on
+the same batch, with the optimizer whole or sharded over two replicas (with dp = 2 each
+replica trains on its half of the batch, as the dataflow rank deals it, and the statistics
+are those of the halves together). (The step is one optimizer step; the proximal policy of
+later minibatches is the shared `trainer/step.py` scoring through the same `scores` compared
+above.) The trained model is checkpointed (a collective: one file per tensor-parallel rank,
+stage and optimizer shard in `step-<N>/`), moved by another step, and loaded back bit for
+bit; saved at tp = 2 it loads into tp = 2 x dp = 2 with a sharded optimizer and into pp = 2
+(resharded), bit for bit.
 
 Updated weights agree within 1e-5 wherever the gradient is above 1e-7: AdamW's first
 update is lr * g / (|g| + 1e-8), so where |g| is near its eps, fp32 noise in g (the two
@@ -96,6 +97,8 @@ def rank_main(rank: int, world: int, tp: int, pp: int, options: dict, store: str
     else:
         result["stats"] = [stats]
     result["after"] = backend.hf_state_dict()
+    if not options.get("sharded"):
+        result["exp_avg"] = first_moment(backend)
     result["grad"] = backend.gather_hf({k: p.grad for k, p in backend.model.named_parameters()})
     ckpt = backend.save(Path(out).parent / "checkpoints", 4)
     backend.train_step(served, 5, LR)  # moves the weights away from the checkpoint
@@ -106,14 +109,10 @@ def rank_main(rank: int, world: int, tp: int, pp: int, options: dict, store: str
         torch.save(result, out)
 
 
-def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int, pp: int = 1, **options: bool) -> dict:
-    """Every rank of a tp x pp x dp group (`options`: `config`'s sharded, sp); rank 0's result."""
+def spawn(target, world: int, *args: object) -> None:
+    """`target(rank, world, *args)` in `world` spawned processes; every one must exit 0."""
     ctx = mp.get_context("spawn")
-    out = tmp_path / f"tp{tp}-pp{pp}-dp{dp}.pt"
-    world = tp * pp * dp
-    procs = [ctx.Process(target=rank_main, args=(r, world, tp, pp, options, str(tmp_path / f"store-{tp}-{pp}-{dp}"),
-                                                 str(model_dir), str(out)))
-             for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -122,6 +121,12 @@ def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int, pp: int = 1, **
         if p.is_alive():
             p.kill()
     assert [p.exitcode for p in procs] == [0] * world
+
+
+def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int, pp: int = 1, **options: bool) -> dict:
+    """Every rank of a tp x pp x dp group (`options`: `config`'s sharded, sp); rank 0's result."""
+    out = tmp_path / f"tp{tp}-pp{pp}-dp{dp}.pt"
+    spawn(rank_main, tp * pp * dp, tp, pp, options, str(tmp_path / f"store-{tp}-{pp}-{dp}"), str(model_dir), str(out))
     return torch.load(out, weights_only=False)
 
 
@@ -192,48 +197,52 @@ def test_megatron_matches_hf_and_the_torch_backend(model_dir, torch_reference, t
     assert [k for k in got["after"] if not torch.equal(got["reloaded"][k], got["after"][k])] == []
 
 
-
-def load_main(rank: int, world: int, tp: int, store: str, model_dir: str, ckpt: str, out: str) -> None:
-    """One rank of a group of another data-parallel size, its optimizer sharded over the
-    replicas: load a checkpoint, gather to HF layout, and take one step (every replica must
-    then hold the same model)."""
+def load_main(rank: int, world: int, tp: int, pp: int, sharded: bool, store: str, model_dir: str, ckpt: str,
+              out: str) -> None:
+    """One rank of a group of another layout: load a checkpoint, gather it (and, unsharded,
+    AdamW's first moment) to HF layout, and take one step (every replica must then hold the
+    same model)."""
     import torch.distributed as dist
 
     from astraflow.trainer.megatron.backend import MegatronBackend
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world, sharded=True), "policy", rank, world)
+    backend = MegatronBackend(Path(model_dir), config("megatron", tp, world, pp, sharded), "policy", rank, world)
     step = backend.load(Path(ckpt))
-    loaded = backend.hf_state_dict()
+    result = {"step": step, "loaded": backend.hf_state_dict()}
+    if not sharded:
+        result["exp_avg"] = first_moment(backend)
     served = share(served_batch(backend.spec.vocab, seed=3), backend.data_rank, backend.data_world)
     backend.train_step(served, step + 1, LR)
-    stepped = [None] * world
-    dist.all_gather_object(stepped, backend.hf_state_dict())
+    result["stepped"] = [None] * world
+    dist.all_gather_object(result["stepped"], backend.hf_state_dict())
     if rank == 0:
-        torch.save({"step": step, "loaded": loaded, "stepped": stepped}, out)
+        torch.save(result, out)
 
 
-def test_a_checkpoint_resumes_on_another_data_parallel_size(model_dir, tmp_path):
+def first_moment(backend) -> dict[str, torch.Tensor]:
+    """AdamW's first moment of every parameter, in HF layout (a collective; optimizer unsharded)."""
+    return backend.gather_hf({k: v["adam"]["exp_avg"] for k, v in backend.optim.state().items()})
+
+
+@pytest.mark.parametrize("tp, pp, dp, sharded", [(2, 1, 2, True), (1, 2, 1, False)])
+def test_a_checkpoint_resumes_at_another_layout(model_dir, tmp_path, tp, pp, dp, sharded):
     """Saved by one replica of tp = 2, loaded by two (tp = 2 x dp = 2) whose optimizer is
-    sharded over them: every rank holds the saved model, and after a step the replicas still
-    agree (each parameter stepped by its owner from the saved state, then broadcast)."""
+    sharded over them, or by two pipeline stages (pp = 2: the checkpoint cut again,
+    `reshard.py`): every rank holds the saved model (and, resharded, AdamW's moments) bit for
+    bit, and after a step the replicas still agree (each parameter stepped by its owner from
+    the saved state, then broadcast)."""
     saved = run_ranks(tmp_path, model_dir, tp=2, dp=1)
-    ctx = mp.get_context("spawn")
     out = tmp_path / "resumed.pt"
-    procs = [ctx.Process(target=load_main, args=(r, 4, 2, str(tmp_path / "store-resume"), str(model_dir),
-                                                 str(tmp_path / "checkpoints" / "step-4"), str(out)))
-             for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(RANK_TIMEOUT_S)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * 4
+    spawn(load_main, tp * pp * dp, tp, pp, sharded, str(tmp_path / "store-resume"), str(model_dir),
+          str(tmp_path / "checkpoints" / "step-4"), str(out))
     got = torch.load(out, weights_only=False)
     assert got["step"] == 4
     assert [k for k in saved["after"] if not torch.equal(got["loaded"][k], saved["after"][k])] == []
+    if not sharded:
+        assert sorted(got["exp_avg"]) == sorted(saved["exp_avg"])
+        assert [k for k in saved["exp_avg"] if not torch.equal(got["exp_avg"][k], saved["exp_avg"][k])] == []
     first = got["stepped"][0]
     assert max((first[k] - saved["after"][k]).abs().max().item() for k in first) > LR / 2  # it stepped
     for other in got["stepped"][1:]:

@@ -32,7 +32,8 @@ tensor-parallel rank and optimizer shard (`tp<t>-pp<p>-dp<d>.pt`: the fp32 maste
 state the shard owns, by parameter name, with tp and pp recorded), written under a temporary
 name and renamed by rank 0 once every file is there. `load` reads every shard's file of its
 stage and tensor-parallel rank, so a checkpoint loads into the same tp and pp with any number
-of data-parallel replicas, sharded or not.
+of data-parallel replicas, sharded or not; at another tp or pp it reads them all and cuts
+them again (`reshard.py`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from astraflow.protocol.messages import BatchReply
 from astraflow.trainer.batch import TokenBatch
 from astraflow.trainer.checkpoint import commit_file, fsync_dir
 from astraflow.trainer.megatron import model as mm
+from astraflow.trainer.megatron import reshard
 from astraflow.trainer.megatron.mapping import EMBEDDING, OUTPUT, from_stages, stage_kinds, to_hf, to_megatron, to_stage
 from astraflow.trainer.megatron.master import MasterWeights
 from astraflow.trainer.megatron.pipeline import Pipeline
@@ -223,20 +225,10 @@ class MegatronBackend:
         return final
 
     def load(self, path: Path) -> int:
-        """This rank's stage and tensor-parallel shard from every optimizer shard's file (so a
-        checkpoint loads into any number of data-parallel replicas, sharded or not)."""
-        files = sorted(Path(path).glob(f"tp{self.tp_rank}-pp{self.pp_rank}-dp*.pt"))
-        parts, step = {}, None
-        for f in files:
-            state = torch.load(f, weights_only=True, map_location=self.device)
-            if (state["tp"], state["pp"]) != (self.tp, self.pp):
-                raise ValueError(f"{f}: a checkpoint of tp={state['tp']}, pp={state['pp']}; this trainer has "
-                                 f"tp={self.tp}, pp={self.pp} (resharding a checkpoint is not built yet)")
-            parts.update(state["masters"])
-            step = int(state["step"])
-        if step is None:
-            raise ValueError(f"{path}: no checkpoint file for tensor-parallel rank {self.tp_rank}, stage "
-                             f"{self.pp_rank} (a checkpoint of another tp or pp?)")
+        """This rank's part of a checkpoint saved at any layout (`reshard.py`): its own files'
+        at the same tp and pp (any number of data-parallel replicas, sharded or not), the
+        whole checkpoint cut again at another."""
+        step, parts = reshard.read(Path(path), self.tp_rank, self.pp_rank, self.tp, self.pp, self.spec)
         self.optim.load(parts)
         return step
 

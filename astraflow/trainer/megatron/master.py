@@ -135,5 +135,6 @@ class MasterWeights:
             if i in self.masters:
                 master = self.masters[i]
                 master.copy_(parts[name]["master"])
-                self.inner.state[master] = {k: v.clone() if torch.is_tensor(v) else v
+                # the moments on the master's device, the step count on the CPU (as AdamW keeps it)
+                self.inner.state[master] = {k: v.clone() if k == "step" else v.to(master.device, copy=True)
                                             for k, v in parts[name]["adam"].items()}
