@@ -317,21 +317,24 @@ class TrainerConfig:
     ref_kl: float = 0.0
     minibatches: int = 1  # optimizer steps per training step (each rank's share cut this many times)
     checkpoint_every: int = 10  # steps between checkpoints (a restarted trainer resumes from the last)
-    world: int = 1  # trainer ranks per policy: tp x pp x dp (unset: tp x pp x max(dp, 1))
+    # Trainer ranks per policy: tp x pp x dp (unset: tp x pp x max(dp, 1)). The layout may
+    # change when a run is resumed: a checkpoint loads into another one (the megatron backend
+    # cuts it again, trainer/megatron/reshard.py; a torch checkpoint is a whole replica).
+    world: int = runtime(1)
     # megatron: tensor-parallel ranks, which must divide the attention and kv heads (the tp
     # ranks of a model replica train on the same rows), and pipeline stages, which must divide
     # the layers (micro-batches through megatron's 1F1B schedule); the torch backend has 1 and 1.
-    tp: int = 1
-    pp: int = 1  # see tp
-    dp: int = 0  # data-parallel replicas; 0: world / (tp x pp)
+    tp: int = runtime(1)
+    pp: int = runtime(1)  # see tp
+    dp: int = runtime(0)  # data-parallel replicas; 0: world / (tp x pp)
     # megatron: shard the fp32 master weights and AdamW state over the data-parallel
     # replicas (Megatron's distributed optimizer, ZeRO stage 1): 12 bytes a parameter
     # divided by the replicas, for one broadcast of the parameters per step
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool = runtime(False)
     # megatron, tp > 1: split the activations between layers along the sequence over the
     # tensor-parallel ranks (Megatron's sequence parallelism: activation memory / tp, the
     # same traffic as tensor parallelism's all-reduces)
-    sequence_parallel: bool = False
+    sequence_parallel: bool = runtime(False)
     threads: int = 1  # torch CPU threads per trainer rank
     # Memory at LLM scale: a minibatch is cut into micro-batches of at most this many tokens
     # (padding included; sequences of similar length go together) whose gradients accumulate;

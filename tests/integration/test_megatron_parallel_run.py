@@ -82,3 +82,42 @@ def test_model_parallel_ranks_train_on_the_same_rows_and_resume_after_losing_one
     audit = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "audit", str(run_dir)], cwd=REPO,
                            capture_output=True, text=True)
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
+
+
+def test_a_run_resumes_at_another_layout(tmp_path):
+    """A run stopped (SIGTERM) at tp = 2 resumes with `--set trainer.tp=1 --set trainer.pp=2`:
+    the trainers load its last checkpoint cut again into two pipeline stages (`reshard.py`),
+    train the remaining steps and write checkpoints of the new layout; nothing is trained
+    twice or lost (`astraflow audit`)."""
+    run_dir = tmp_path / "run"
+    overrides = [*OVERRIDES, "trainer.steps=8", "trainer.checkpoint_every=2", "rollout.workers=1",
+                 "trainer.backend=megatron", "trainer.tp=2", "trainer.world=2",
+                 f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
+    launcher = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
+                                 "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while len(metric_rows(run_dir)) < 3:
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "no training progress"
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)  # the trainers checkpoint their step and stop
+        launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    stopped = max(int(r["step"]) for r in metric_rows(run_dir))
+    assert stopped < 8
+    resumed = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "run", "--run-dir", str(run_dir), "--quiet",
+                              "--set", "trainer.tp=1", "--set", "trainer.pp=2"], cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = (run_dir / "logs" / "trainer-policy.log").read_text()
+    assert "resumed from step-" in log
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "policy" / "step-8").iterdir()) == \
+        ["tp0-pp0-dp0.pt", "tp0-pp1-dp0.pt"]
+    assert sorted({int(r["step"]) for r in metric_rows(run_dir)}) == list(range(1, 9))
+    audit = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "audit", str(run_dir)], cwd=REPO,
+                           capture_output=True, text=True)
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
