@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -100,7 +101,7 @@ def train_check(model_dir: Path, backend_name: str, dtype: str, seq: int, rows: 
             "loss": stats["loss"], "dtype": str(backend.dtype), "parity": parity}
 
 
-def parity_check(backend, model_dir: Path, reply: m.BatchReply, length: int) -> dict:
+def parity_check(backend: Any, model_dir: Path, reply: m.BatchReply, length: int) -> dict:
     """The backend's scoring in its compute dtype against an fp32 full-vocabulary pass of the
     Hugging Face model in the same directory."""
     from transformers import AutoModelForCausalLM

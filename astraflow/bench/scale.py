@@ -39,6 +39,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -137,7 +138,7 @@ class Load:
             wakes.append(s.lease_after)
         return min(wakes)
 
-    def _answered(self, s: SimWorker, kind: str, request, reply, now: float) -> None:
+    def _answered(self, s: SimWorker, kind: str, request: Any, reply: Any, now: float) -> None:
         if is_contact(request):
             s.last_contact = now
         if getattr(reply, "latest", None):

@@ -77,7 +77,7 @@ class Steppable(Protocol):
     pad_id: int
     data_world: int  # data-parallel ranks
     model: torch.nn.Module
-    optim: torch.optim.Optimizer
+    optim: Any  # torch.optim.Optimizer, or what quacks as one (megatron/master.py)
     schedule: Schedule
 
     def data_sum(self, value: float) -> float: ...
