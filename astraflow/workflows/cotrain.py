@@ -106,9 +106,9 @@ async def _exchange(task: Task, ctx: EpisodeContext, concatenated: bool) -> list
     if ctx.workflow.verifier_contrast and not concatenated:  # the loader allows it for solver_verifier only
         truths = [r.meta["truth"] for r in records if r.policy == verifier]
         if not any(truths):
-            records.append(await contrast(task.answer, True))
+            records.append(await contrast(task.target, True))
         if all(truths):
-            records.append(await contrast(wrong_answer(Item(task.prompt, task.answer), ctx.rng), False))
+            records.append(await contrast(written_wrong(Item(task.prompt, task.answer, task.solution), ctx.rng), False))
     return balance(records, verifier, ctx.state.setdefault("verifier_class_prior", ClassPrior()))
 
 
@@ -166,6 +166,14 @@ def wrong_answer(item: Item, rng: np.random.Generator) -> str:
     return str(c if c < abs(a) else c + 1)
 
 
+def written_wrong(item: Item, rng: np.random.Generator) -> str:
+    """A wrong answer written as the solver is taught to write a right one (`item.target`,
+    e.g. `\\boxed{7}` for the answer 7): the target with a `wrong_answer` in the answer's
+    place, so that the verifier judges the form it will see, not a bare number."""
+    wrong = wrong_answer(item, rng)
+    return item.target.replace(item.answer, wrong) if item.answer and item.answer in item.target else wrong
+
+
 def warmup_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng: np.random.Generator
                     ) -> list[tuple[list[int], list[int]]]:
     """Supervised pairs (context ids, target ids) on the format of `role`."""
@@ -173,7 +181,7 @@ def warmup_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng
         return [(tokenizer.encode_prompt(i.prompt, i.messages), tokenizer.encode_completion(i.target)) for i in items]
     pairs = []
     for item in items:
-        for candidate, verdict in ((item.answer, "Y"), (wrong_answer(item, rng), "N")):
+        for candidate, verdict in ((item.target, "Y"), (written_wrong(item, rng), "N")):
             context = judge_context(tokenizer, tokenizer.encode_prompt(item.prompt, item.messages),
                                     tokenizer.encode_completion(candidate))
             pairs.append((context, tokenizer.encode_completion(verdict)))

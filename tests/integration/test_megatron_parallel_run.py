@@ -1,9 +1,11 @@
 """`astraflow run` with the megatron backend at tp = 2 and at pp = 2: two trainer ranks form
-one tensor-parallel group, or two pipeline stages (one model replica either way). Both ranks train every step on the same rows (each
-logs the digest of its rows and its loss: they must be equal), rank 0 alone publishes and
-acknowledges, each rank writes its shard of the checkpoints, and a group that loses a rank
-(SIGKILL) is restarted as a whole and resumes from its checkpoint with every step's samples
-acknowledged exactly once; `astraflow audit` agrees."""
+one tensor-parallel group, or two pipeline stages (one model replica either way). Both ranks
+train every step on the same rows (each logs the digest of its rows and its loss: they must
+be equal), rank 0 alone publishes and acknowledges, each rank writes its shard of the
+checkpoints, and a group that loses a rank (SIGKILL) is restarted as a whole and resumes
+from its checkpoint with every step's samples acknowledged exactly once; `astraflow audit`
+agrees. A run stopped at one layout resumes at another.
+"""
 from __future__ import annotations
 
 import json

@@ -19,10 +19,10 @@ from astraflow.models.factory import make_model
 from astraflow.protocol.messages import Task, Trajectory
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.sandbox import Sandbox
-from astraflow.tasks.sources import TaskSource
+from astraflow.tasks.sources import Item, TaskSource
 from astraflow.trainer.warmup import warm_up
 from astraflow.workflows import EpisodeContext, EpisodeError
-from astraflow.workflows.cotrain import ClassPrior, balance, solve_and_check, solver_verifier
+from astraflow.workflows.cotrain import ClassPrior, balance, solve_and_check, solver_verifier, written_wrong
 from astraflow.workflows.rewards import Scorer, exact_match
 from astraflow.workflows.tool_agent import multi_turn_tool
 from tests.conftest import REPO, constant, hf_engine
@@ -103,6 +103,18 @@ def test_verifier_contrast_shows_the_verifier_the_class_a_group_lacks(engine, so
                                                       *engine.tok.encode_text("?")]
     assert extra.reward >= 0 and (extra.reward > 0) == (extra.meta["accept"] == extra.meta["truth"])
     assert not any(r.meta.get("guided") for r in records[:-1])
+
+
+def test_the_verifier_judges_answers_written_as_the_solver_writes_them():
+    """Where the solver is taught to write `\\boxed{N}` (word problems), the verifier's
+    contrast and warm-up answers are written so too: the right one is the target, a wrong one
+    the target with another number in the answer's place (a bare number would teach it to
+    judge a form it never sees)."""
+    rng = np.random.default_rng(0)
+    item = Item("Ann has 3 apples and buys 4. How many?", "7", "\\boxed{7}")
+    wrong = [written_wrong(item, rng) for _ in range(20)]
+    assert all(w.startswith("\\boxed{") and w.endswith("}") and w != "\\boxed{7}" for w in wrong)
+    assert written_wrong(Item("3+4=", "7"), rng) != "7"  # a bare target: a bare wrong number
 
 
 def test_verifier_reward_mean_is_its_balanced_accuracy():

@@ -123,7 +123,8 @@ def to_hf(shards: list[dict[str, torch.Tensor]], spec: ModelSpec) -> dict[str, t
 
 T = TypeVar("T")
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
-EMBEDDING, OUTPUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
+EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
 
 
 def _renumber(name: str, offset: int) -> str:
