@@ -80,7 +80,7 @@ def test_model_parallel_ranks_train_on_the_same_rows_and_resume_after_losing_one
     assert summary["steps"] == STEPS and summary["trained"] == STEPS * BATCH
     # each rank's shard of the last checkpoint, committed together
     assert sorted(p.name for p in (run_dir / "checkpoints" / "policy" / f"step-{STEPS}").iterdir()) == \
-        sorted(f"tp{t}-pp{p}.pt" for t in range(tp) for p in range(pp))
+        sorted(f"tp{t}-pp{p}-dp0.pt" for t in range(tp) for p in range(pp))
     audit = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "audit", str(run_dir)], cwd=REPO,
                            capture_output=True, text=True)
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
