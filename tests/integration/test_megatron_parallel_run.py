@@ -39,21 +39,31 @@ def rank_pid(run_dir: Path, rank: int) -> int:
     raise AssertionError(f"no trainer rank {rank} running")
 
 
+def start_run(tmp_path: Path, *sets: str) -> subprocess.Popen:
+    """`astraflow run` of the parity task in `tmp_path / "run"`: megatron, two trainer ranks
+    (a layout in `sets`), checkpoints every 2 steps."""
+    overrides = [*OVERRIDES, "trainer.checkpoint_every=2", "rollout.workers=1", "trainer.backend=megatron",
+                 "trainer.world=2", f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}", *sets]
+    return subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
+                             "--run-dir", str(tmp_path / "run"), "--quiet", *[a for o in overrides for a in ("--set", o)]],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_rows(launcher: subprocess.Popen, run_dir: Path, rows: int) -> None:
+    """Until the run has trained `rows` steps (it must not exit first)."""
+    deadline = time.monotonic() + 180
+    while len(metric_rows(run_dir)) < rows:
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, "no training progress"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_model_parallel_ranks_train_on_the_same_rows_and_resume_after_losing_one(tmp_path, tp, pp):
     run_dir = tmp_path / "run"
-    overrides = [*OVERRIDES, f"trainer.steps={STEPS}", "trainer.checkpoint_every=2", "rollout.workers=1",
-                 "trainer.backend=megatron", f"trainer.tp={tp}", f"trainer.pp={pp}", "trainer.world=2",
-                 f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
-    launcher = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
-                                 "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = start_run(tmp_path, f"trainer.steps={STEPS}", f"trainer.tp={tp}", f"trainer.pp={pp}")
     try:
-        deadline = time.monotonic() + 180
-        while len(metric_rows(run_dir)) < 3:  # past the first checkpoint (step 2)
-            assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "no training progress"
-            time.sleep(0.2)
+        wait_for_rows(launcher, run_dir, 3)  # past the first checkpoint (step 2)
         os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
         out, err = launcher.communicate(timeout=240)
     finally:
@@ -92,18 +102,9 @@ def test_a_run_resumes_at_another_layout(tmp_path):
     train the remaining steps and write checkpoints of the new layout; nothing is trained
     twice or lost (`astraflow audit`)."""
     run_dir = tmp_path / "run"
-    overrides = [*OVERRIDES, "trainer.steps=8", "trainer.checkpoint_every=2", "rollout.workers=1",
-                 "trainer.backend=megatron", "trainer.tp=2", "trainer.world=2",
-                 f"tasks.path={parity_prompts(tmp_path / 'parity.jsonl')}"]
-    launcher = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "run", "configs/quickstart.yaml",
-                                 "--run-dir", str(run_dir), "--quiet", *[a for o in overrides for a in ("--set", o)]],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = start_run(tmp_path, "trainer.steps=8", "trainer.tp=2")
     try:
-        deadline = time.monotonic() + 180
-        while len(metric_rows(run_dir)) < 3:
-            assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "no training progress"
-            time.sleep(0.2)
+        wait_for_rows(launcher, run_dir, 3)
         launcher.send_signal(signal.SIGTERM)  # the trainers checkpoint their step and stop
         launcher.communicate(timeout=120)
     finally:
