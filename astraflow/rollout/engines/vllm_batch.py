@@ -9,10 +9,17 @@ vLLM's own `collective_rpc("reload_weights")`); elsewhere a model directory goes
 `load_weights` in each vLLM worker (`vllm_swap.WorkerExtension`: no loader round trip).
 Identical requests in a batch (the members of a group) go to vLLM as one request for n samples.
 Requests and outputs convert as `vllm_requests` describes.
+
+The engine core runs in this process, and two of them must never run at once: a worker of two
+policies (solver + verifier) holds one engine each, and their batches, each in a thread, ran
+concurrently until the process died ("corrupted double-linked list") or hung inside a oneDNN
+GEMM. `IN_PROCESS` serialises every call into any in-process vLLM engine; on a CPU the two
+shared the same cores anyway.
 """
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from astraflow.rollout.engines import vllm_swap
@@ -20,6 +27,8 @@ from astraflow.rollout.engines.base import Completion, SamplingParams
 from astraflow.rollout.engines.batching import BatchingEngine
 from astraflow.rollout.engines.vllm_requests import (engine_settings, import_vllm, prefix_cache_emptied, sampled,
                                                      scored, swap_call, vllm_params)
+
+IN_PROCESS = threading.Lock()
 
 
 class VLLMBatchEngine(BatchingEngine):
@@ -45,7 +54,9 @@ class VLLMBatchEngine(BatchingEngine):
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             same.setdefault((tuple(prompt), p), []).append(i)
         inputs = [TokensPrompt(prompt_token_ids=[*prompt, *p.forced]) for prompt, p in same]
-        outs = self.llm.generate(inputs, [vllm_params(p, len(ids)) for (_, p), ids in same.items()], use_tqdm=False)
+        with IN_PROCESS:
+            outs = self.llm.generate(inputs, [vllm_params(p, len(ids)) for (_, p), ids in same.items()],
+                                     use_tqdm=False)
         results: list[Completion] = [None] * len(prompts)  # type: ignore[list-item]
         for ((prompt, p), ids), out in zip(same.items(), outs):
             if p.forced:  # scoring is deterministic: one result serves every copy
@@ -65,5 +76,6 @@ class VLLMBatchEngine(BatchingEngine):
         # the worker is in this process unless the environment moved vLLM's engine core out
         in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         method, kwargs = swap_call(weights, changed, self.swap_in_place, pack=not in_process)
-        vllm_swap.refused(self.llm.collective_rpc(method, kwargs=kwargs))
-        prefix_cache_emptied(self.llm.reset_prefix_cache())  # its blocks hold the old weights' keys and values
+        with IN_PROCESS:
+            vllm_swap.refused(self.llm.collective_rpc(method, kwargs=kwargs))
+            prefix_cache_emptied(self.llm.reset_prefix_cache())  # its blocks hold the old weights' keys and values
