@@ -225,11 +225,19 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('trainer')}: trainer: expected lr_warmup_steps >= 0 and 0 <= lr_min_ratio <= 1")
     if t.ref_kl < 0:
         raise ConfigError(f"{where.at('trainer.ref_kl')}: trainer.ref_kl: expected >= 0 (0: no KL term), got {t.ref_kl}")
-    if cfg.workflow.reference_guidance and cfg.tasks.workflow not in ("rlvr", "code"):
+    if cfg.workflow.reference_guidance and cfg.tasks.workflow not in ("rlvr", "code", "search"):
         raise ConfigError(f"{where.at('workflow.reference_guidance')}: workflow.reference_guidance: only the "
-                          f"rlvr and code workflows add reference answers; tasks.workflow is "
+                          f"rlvr, code and search workflows add reference answers; tasks.workflow is "
                           f"{cfg.tasks.workflow!r}: set it to false")
     wf = cfg.workflow
+    if wf.search_top_k < 1:
+        raise ConfigError(f"{where.at('workflow.search_top_k')}: workflow.search_top_k: expected >= 1, got {wf.search_top_k}")
+    if cfg.tasks.workflow == "search" and not cfg.tasks.corpus and cfg.tasks.kind != "search_facts":
+        raise ConfigError(f"{where.at('tasks.corpus')}: tasks.corpus: the search workflow needs documents to search: a "
+                          f"JSONL file, or tasks.kind: search_facts (its generated corpus); tasks.kind is "
+                          f"{cfg.tasks.kind!r}")
+    if cfg.tasks.kind == "search_facts" and cfg.tasks.hops not in (1, 2):
+        raise ConfigError(f"{where.at('tasks.hops')}: tasks.hops: expected 1 or 2, got {cfg.tasks.hops}")
     if (wf.max_turns < 1 or wf.env_request_timeout_s <= 0 or wf.env_retries < 0 or wf.env_retry_budget < 0
             or wf.env_episode_deadline_s < 0 or wf.env_connections < 1):
         raise ConfigError(f"{where.at('workflow')}: workflow: expected max_turns >= 1, env_request_timeout_s > 0, "

@@ -86,6 +86,7 @@ WORKFLOW_ROLES: dict[str, tuple[str, ...]] = {
     "solve_and_check": ("solver", "verifier"),
     "multi_turn_tool": ("agent",),
     "code": ("policy",),
+    "search": ("agent",),
 }
 
 
@@ -93,7 +94,8 @@ WORKFLOW_ROLES: dict[str, tuple[str, ...]] = {
 class TaskSourceConfig:
     """Where prompts come from (astraflow/tasks/): a generator or a data set, split into a
     held-out, a warm-up and a training part, and how each completion is scored."""
-    kind: str = choice("arithmetic", "arithmetic", "word_problems", "code_problems", "jsonl", "parquet", "hf_disk")
+    kind: str = choice("arithmetic", "arithmetic", "word_problems", "code_problems", "search_facts", "jsonl", "parquet",
+                       "hf_disk")
     # jsonl / parquet: a file; hf_disk: a directory written by `datasets` `save_to_disk`
     path: str = ""
     split: str = ""  # hf_disk: the split of a saved DatasetDict ("" for a saved Dataset)
@@ -119,6 +121,13 @@ class TaskSourceConfig:
     # line ("7 - 2 = 5") before "The answer is \boxed{5}."; false: the boxed answer alone
     worked_solution: bool = True
     pad_operands: bool = False  # "07+15=" instead of "7+15="
+    # search_facts: people in the generated encyclopedia (towns: a quarter as many), and the
+    # searches a question may need (1, or 2: "the town where X lives" mixed in)
+    entities: int = 200
+    hops: int = 1  # see entities
+    # the search workflow: a JSONL file of documents to search ({"text": ..., "title": ...}
+    # per line); "" with kind search_facts: its generated encyclopedia
+    corpus: str = ""
     reverse_answer: bool = False  # answer digits least significant first
     # Prompts never handed out for training (evaluation split) and prompts reserved for the
     # supervised warm-up; the three splits are disjoint. A value >= 1 is a count, below 1 a
@@ -130,8 +139,8 @@ class TaskSourceConfig:
     group_size: int = 8
     # Stop handing out tasks after this many (0 = unlimited, cycling through the source).
     max_tasks: int = 0
-    workflow: str = choice("rlvr", "rlvr", "solver_verifier", "solve_and_check", "multi_turn_tool", "code")
-    # a registered reward (workflows/rewards.py: exact_match, math_verify, boxed_math, code_tests)
+    workflow: str = choice("rlvr", "rlvr", "solver_verifier", "solve_and_check", "multi_turn_tool", "code", "search")
+    # a registered reward (workflows/rewards.py: exact_match, token_f1, math_verify, boxed_math, code_tests)
     # or a user's `package.module:function`, called as f(completion, answer) or
     # f(completion, answer, row); sync or async. One that raises or outlasts the timeout
     # scores 0 and is counted.
@@ -237,18 +246,20 @@ class RolloutConfig:
 class WorkflowConfig:
     """Parameters of the multi-policy and agentic workflows."""
     retry: bool = False  # solver_verifier: the solver answers once more after a rejection
-    # rlvr, code: a group whose sampled answers all scored 0 gets the reference answer as one more
-    # member, scored (not sampled) by the engine, so a prompt the policy cannot yet solve
-    # still teaches it something instead of being filtered (off-policy guidance, as in LUFFY,
-    # arXiv 2504.14945). Its reward is never counted as a generated reward.
+    # rlvr, code, search: a group whose sampled answers all scored 0 gets the reference answer
+    # (search: the row's searches, then the answer) as one more member, scored (not sampled)
+    # by the engine, so a prompt the policy cannot yet solve still teaches it something
+    # instead of being filtered (off-policy guidance, as in LUFFY, arXiv 2504.14945). Its reward is never counted as a generated reward.
     reference_guidance: bool = False
     # solver_verifier: a group whose answers are all wrong (all right) also has the verifier
     # judge the reference answer (a drawn wrong answer), so that its verdicts cannot be read
     # off the question; those judgments are trained, never counted in its reward
     verifier_contrast: bool = False
-    # multi_turn_tool: agent turns per episode; code: attempts, each after the first seeing
-    # the previous attempt's first failing test
+    # multi_turn_tool and search: agent turns per episode; code: attempts, each after the first
+    # seeing the previous attempt's first failing test
     max_turns: int = 3
+    # search: the documents each search returns, best first (BM25; environments/retrieval.py)
+    search_top_k: int = 1
     # multi_turn_tool: "builtin" (an environment server each worker starts on loopback) or
     # the http:// URL of an environment server
     environment: str = "builtin"

@@ -1,5 +1,5 @@
 """Everything a run reads, checked before any component starts: the model directory, the
-data set (every row), the reward, the model family's shape, the sandbox where answers' tests
+data set (every row), a search agent's corpus (every line), the reward, the model family's shape, the sandbox where answers' tests
 run, the packages of the enabled metrics backends. A problem is one ConfigError naming the
 file, line (or row) and field; `astraflow run` and the Slurm job's dataflow task exit with it
 (code 2) within seconds, instead of starting components that would wait for a rank that never
@@ -16,6 +16,7 @@ from astraflow.analysis.sinks import check_sink_packages
 from astraflow.config.loader import ConfigError, load_config
 from astraflow.config.rundir import RunDir
 from astraflow.config.schema import Config
+from astraflow.environments.retrieval import check_corpus
 from astraflow.models.directory import ModelDirError, check_model_dir
 from astraflow.models.families import FAMILIES
 from astraflow.sandbox import Sandbox
@@ -58,13 +59,19 @@ def check_inputs(cfg: Config) -> None:
                           f"template, but the model ({m.path or 'model.like ' + m.like}) has none")
     if t.kind in ("jsonl", "parquet", "hf_disk") and not t.path:
         raise ConfigError(f"tasks.path: required when tasks.kind is {t.kind!r}")
-    TaskSource(t)  # reads and validates every row
+    source = TaskSource(t)  # reads and validates every row
     load_reward(t.reward)
     if t.workflow == "code" or t.reward == "code_tests":
         why = Sandbox.check()  # else every answer would score 0, its tests never run
         if why:
             raise ConfigError(f"tasks.{'workflow' if t.workflow == 'code' else 'reward'}: the answers' tests run in "
                               f"the sandbox, which cannot run here: {why}")
+    if t.workflow == "search":
+        check_corpus(t)
+        if cfg.warmup.steps > 0 and not any(i.row.get("queries") for i in source.warmup):
+            raise ConfigError("warmup.steps: the search warm-up teaches each row's searches (its `queries` field), "
+                              "and no warm-up row has one; set warmup.steps: 0, or use rows that have them "
+                              "(tasks.kind: search_facts does)")
     check_sink_packages(cfg.metrics)
 
 

@@ -3,8 +3,11 @@
 What is measured depends on the policy's role: a solver (or the single `policy` of rlvr) is
 scored by accuracy on the held-out prompts; a verifier by balanced accuracy on those prompts
 each paired with the right answer and with a wrong one (so always-accept and always-reject
-both score 0.5). An agent (multi_turn_tool) needs its environment and tools and is not
-evaluated here; its training reward is in the metrics.
+both score 0.5); a search agent by its mean reward over greedy episodes of the run's own
+workflow, one per held-out prompt, with the same corpus and no reference guidance
+(`episode_reward`). A tool agent
+(multi_turn_tool) needs its environment server and is not evaluated here; its training reward
+is in the metrics.
 
 One engine per policy scores both: the starting weights first, then the last published
 version loaded into it. The local launcher starts the evaluation with the components
@@ -18,6 +21,7 @@ flat keys `eval_accuracy_base`, `eval_accuracy`, `eval_version` that summaries a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -30,10 +34,13 @@ from astraflow.rollout.engines.base import Engine
 from astraflow.rollout.worker import build_engines, run_tokenizer, sampling_params
 from astraflow.weights.manifest import newest_dir
 from astraflow.tasks.sources import Item, TaskSource
+from astraflow.protocol.messages import Task
+from astraflow.workflows import WORKFLOWS, EpisodeContext
 from astraflow.workflows.cotrain import accepted, judge_context, wrong_answer
 from astraflow.workflows.rewards import Scorer
 
 METRICS = {"policy": "accuracy", "solver": "accuracy", "verifier": "balanced_accuracy"}
+EPISODE_WORKFLOWS = ("search",)  # their policies are evaluated by whole greedy episodes
 
 
 async def _greedy(engine: Engine, tokenizer: ModelTokenizer, contexts: list[list[int]], cfg: Config) -> list[str]:
@@ -60,7 +67,27 @@ async def _balanced_accuracy(engine: Engine, tokenizer: ModelTokenizer, items: l
     return float(((accept & truths).sum() / truths.sum() + (~accept & ~truths).sum() / (~truths).sum()) / 2)
 
 
-SCORERS = {"accuracy": _accuracy, "balanced_accuracy": _balanced_accuracy}
+async def _episode_reward(engine: Engine, tokenizer: ModelTokenizer, items: list[Item], cfg: Config) -> float:
+    ctx = EpisodeContext(engines={p: engine for p in cfg.policy_names}, tokenizer=tokenizer,
+                         params=sampling_params(cfg, tokenizer, temperature=0.0),
+                         reward=Scorer(cfg.tasks.reward, cfg.tasks.reward_timeout_s),
+                         policy_index={p: i for i, p in enumerate(cfg.policy_names)},
+                         rng=np.random.default_rng(cfg.run.seed), roles=cfg.roles,
+                         workflow=dataclasses.replace(cfg.workflow, reference_guidance=False), tasks=cfg.tasks)
+    run = WORKFLOWS[cfg.tasks.workflow].run
+    tasks = [Task(i, 0.0, item.prompt, item.answer, 1, cfg.policy_names, messages=list(item.messages),
+                  solution=item.solution, row=item.row) for i, item in enumerate(items)]
+    groups = await asyncio.gather(*(run(task, ctx) for task in tasks))
+    return sum(g[0].reward for g in groups) / len(items)
+
+
+SCORERS = {"accuracy": _accuracy, "balanced_accuracy": _balanced_accuracy, "episode_reward": _episode_reward}
+
+
+def metric_of(cfg: Config, role: str) -> str | None:
+    if cfg.tasks.workflow in EPISODE_WORKFLOWS:
+        return "episode_reward"
+    return METRICS.get(role)
 
 
 def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) -> dict:
@@ -71,7 +98,7 @@ def evaluate_run(run: RunDir, training_done: Callable[[], None] = lambda: None) 
     if not items:
         training_done()
         return {"eval": {}, "eval_skipped": "tasks.heldout is 0: no held-out prompts to evaluate on"}
-    metrics = {p.name: METRICS[p.role] for p in cfg.policies if p.role in METRICS}
+    metrics = {p.name: metric for p in cfg.policies if (metric := metric_of(cfg, p.role))}
     import_library(cfg.engine)
     training_done()
     engines = build_engines(run, list(metrics))

@@ -352,7 +352,7 @@ class RolloutWorker:
             reward=Scorer(cfg.tasks.reward, cfg.tasks.reward_timeout_s),
             policy_index={p: i for i, p in enumerate(cfg.policy_names)},
             rng=np.random.default_rng([cfg.run.seed, os.getpid()]), roles=cfg.roles, workflow=cfg.workflow,
-            environment=await self.environment(), tools=Sandbox())
+            tasks=cfg.tasks, environment=await self.environment(), tools=Sandbox())
         self.client = AsyncClient(wait_rendezvous(self.rundir.path)["address"], self.rundir.read_secret(), timeout_s=10)
         loop = self.loop = asyncio.get_running_loop()
         for policy in self.policies:

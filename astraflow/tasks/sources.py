@@ -26,7 +26,7 @@ import numpy as np
 
 from astraflow.config.loader import ConfigError
 from astraflow.config.schema import TaskSourceConfig
-from astraflow.tasks import code_problems, datasets, generators
+from astraflow.tasks import code_problems, datasets, generators, search_facts
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ SOURCES: dict[str, Callable[[TaskSourceConfig], Rows]] = {
     "arithmetic": generators.arithmetic,
     "word_problems": generators.word_problems,
     "code_problems": code_problems.code_problems,
+    "search_facts": search_facts.search_facts,
     "jsonl": datasets.JsonlRows,
     "parquet": datasets.ParquetRows,
     "hf_disk": datasets.DiskDatasetRows,

@@ -34,7 +34,7 @@ def warm_up(model_dir: Path, cfg: Config, role: str) -> float:
     torch.manual_seed(cfg.run.seed)
     tokenizer = ModelTokenizer(model_dir, chat=cfg.tasks.chat_template, system_prompt=cfg.tasks.system_prompt)
     rng = np.random.default_rng(cfg.run.seed)
-    examples = WORKFLOWS[cfg.tasks.workflow].warmup(role, items, tokenizer, rng)
+    examples = WORKFLOWS[cfg.tasks.workflow].warmup(role, items, tokenizer, rng, cfg)
     device = hardware.device()
     dtype = hardware.compute_dtype(cfg.model.dtype, device)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)

@@ -11,15 +11,17 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
+from astraflow.config.schema import Config
 from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol.messages import Task, Trajectory
 from astraflow.tasks.sources import Item
-from astraflow.workflows import cotrain, tool_agent
+from astraflow.workflows import cotrain, search_agent, tool_agent
 from astraflow.workflows.code import code
 from astraflow.workflows.api import EpisodeContext, EpisodeError
 from astraflow.workflows.rlvr import rlvr
 
-WarmupExamples = Callable[[str, list[Item], ModelTokenizer, np.random.Generator], list[tuple[list[int], list[int]]]]
+WarmupExamples = Callable[[str, list[Item], ModelTokenizer, np.random.Generator, Config],
+                          list[tuple[list[int], list[int]]]]
 
 
 @dataclass(frozen=True)
@@ -28,9 +30,9 @@ class WorkflowSpec:
     warmup: WarmupExamples
 
 
-def answer_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng: np.random.Generator
+def answer_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng: np.random.Generator, cfg: Config
                     ) -> list[tuple[list[int], list[int]]]:
-    return cotrain.warmup_examples("solver", items, tokenizer, rng)
+    return cotrain.warmup_examples("solver", items, tokenizer, rng, cfg)
 
 
 WORKFLOWS: dict[str, WorkflowSpec] = {
@@ -39,6 +41,7 @@ WORKFLOWS: dict[str, WorkflowSpec] = {
     "solve_and_check": WorkflowSpec(cotrain.solve_and_check, cotrain.warmup_examples),
     "multi_turn_tool": WorkflowSpec(tool_agent.multi_turn_tool, tool_agent.warmup_examples),
     "code": WorkflowSpec(code, answer_examples),
+    "search": WorkflowSpec(search_agent.search, search_agent.warmup_examples),
 }
 
 __all__ = ["WORKFLOWS", "EpisodeContext", "EpisodeError", "WorkflowSpec"]

@@ -1,5 +1,6 @@
 """What a workflow gets and how it builds records: engines per policy, roles, the tokenizer,
-sampling, the reward, and (for agentic workflows) an environment client and a tool sandbox.
+sampling, the reward, and (for agentic workflows) an environment client, a tool sandbox and
+the task source's config (where a search agent's corpus comes from).
 
 A workflow is `async def wf(task: Task, ctx: EpisodeContext) -> list[Trajectory]`. It may call
 `ctx.engines[policy].generate(...)` as often as it likes (multi-turn, several policies);
@@ -28,7 +29,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from astraflow.config.schema import WorkflowConfig
+from astraflow.config.schema import TaskSourceConfig, WorkflowConfig
 from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol.messages import Task, Trajectory
 from astraflow.rollout.engines.base import Completion, Engine, SamplingParams
@@ -61,6 +62,7 @@ class EpisodeContext:
     rng: np.random.Generator
     roles: dict[str, str]  # role -> policy
     workflow: WorkflowConfig = WorkflowConfig()
+    tasks: TaskSourceConfig = TaskSourceConfig()  # search: where its corpus comes from
     environment: Any = None  # astraflow.environments.client.EnvironmentClient
     tools: Any = None  # astraflow.sandbox.Sandbox
     # what a workflow carries from episode to episode within this worker (cotrain: the

@@ -30,6 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from astraflow.config.schema import Config
 from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol.messages import Task, Trajectory
 from astraflow.rollout.engines.base import Completion
@@ -174,8 +175,8 @@ def written_wrong(item: Item, rng: np.random.Generator) -> str:
     return item.target.replace(item.answer, wrong) if item.answer and item.answer in item.target else wrong
 
 
-def warmup_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng: np.random.Generator
-                    ) -> list[tuple[list[int], list[int]]]:
+def warmup_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng: np.random.Generator,
+                    cfg: Config) -> list[tuple[list[int], list[int]]]:
     """Supervised pairs (context ids, target ids) on the format of `role`."""
     if role == "solver":
         return [(tokenizer.encode_prompt(i.prompt, i.messages), tokenizer.encode_completion(i.target)) for i in items]

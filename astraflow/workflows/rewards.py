@@ -39,6 +39,26 @@ def exact_match(completion: str, answer: str) -> float:
     return float(completion.strip() == answer.strip())
 
 
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = re.compile(r"[^\w\s]")
+
+
+def answer_words(text: str) -> list[str]:
+    """Lower case, without punctuation and articles (SQuAD's normalisation)."""
+    return _ARTICLES.sub(" ", _PUNCTUATION.sub(" ", text.lower())).split()
+
+
+def token_f1(completion: str, answer: str) -> float:
+    """The F1 of the words the completion and the answer share (SQuAD's), after normalising
+    both: "the river Elm" against "Elm" scores 2/3."""
+    pred, gold = answer_words(completion), answer_words(answer)
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if not pred or not gold or not common:
+        return float(pred == gold)
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
 def math_verify(completion: str, answer: str) -> float:
     """Mathematical equivalence via the `math-verify` package (e.g. "0.5" == "1/2")."""
     from math_verify import parse, verify
@@ -99,8 +119,8 @@ async def code_tests(completion: str, answer: str, row: dict) -> float:
     return (await grade(Sandbox(LIMITS), solution_code(completion, str(row.get("prefix", ""))), list(tests))).fraction
 
 
-REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math_verify": math_verify, "boxed_math": boxed_math,
-                                "code_tests": code_tests}
+REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "token_f1": token_f1, "math_verify": math_verify,
+                                "boxed_math": boxed_math, "code_tests": code_tests}
 
 
 def load_reward(name: str) -> RewardFn:

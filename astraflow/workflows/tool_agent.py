@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from astraflow.config.schema import Config
 from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.protocol.messages import Task, Trajectory
 from astraflow.tasks.sources import Item
@@ -64,8 +65,8 @@ async def multi_turn_tool(task: Task, ctx: EpisodeContext) -> list[Trajectory]:
     return list(await asyncio.gather(*(one() for _ in range(task.group_size))))
 
 
-def warmup_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng: np.random.Generator
-                    ) -> list[tuple[list[int], list[int]]]:
+def warmup_examples(role: str, items: list[Item], tokenizer: ModelTokenizer, rng: np.random.Generator,
+                    cfg: Config) -> list[tuple[list[int], list[int]]]:
     """The tool-use format: call the tool with the prompt's expression, then copy its output."""
     pairs = []
     for item in items:
