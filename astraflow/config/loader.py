@@ -225,13 +225,14 @@ def _check_semantics(cfg: Config, where: _Where) -> None:
         raise ConfigError(f"{where.at('trainer')}: trainer: expected lr_warmup_steps >= 0 and 0 <= lr_min_ratio <= 1")
     if t.ref_kl < 0:
         raise ConfigError(f"{where.at('trainer.ref_kl')}: trainer.ref_kl: expected >= 0 (0: no KL term), got {t.ref_kl}")
-    if cfg.workflow.reference_guidance and cfg.tasks.workflow not in ("rlvr", "code", "search"):
+    if cfg.workflow.reference_guidance and cfg.tasks.workflow not in ("rlvr", "code", "search", "solver_verifier"):
         raise ConfigError(f"{where.at('workflow.reference_guidance')}: workflow.reference_guidance: only the "
-                          f"rlvr, code and search workflows add reference answers; tasks.workflow is "
+                          f"rlvr, code, search and solver_verifier workflows add reference answers; tasks.workflow is "
                           f"{cfg.tasks.workflow!r}: set it to false")
     wf = cfg.workflow
     if wf.search_top_k < 1:
-        raise ConfigError(f"{where.at('workflow.search_top_k')}: workflow.search_top_k: expected >= 1, got {wf.search_top_k}")
+        raise ConfigError(f"{where.at('workflow.search_top_k')}: workflow.search_top_k: expected >= 1, "
+                          f"got {wf.search_top_k}")
     if cfg.tasks.workflow == "search" and not cfg.tasks.corpus and cfg.tasks.kind != "search_facts":
         raise ConfigError(f"{where.at('tasks.corpus')}: tasks.corpus: the search workflow needs documents to search: a "
                           f"JSONL file, or tasks.kind: search_facts (its generated corpus); tasks.kind is "

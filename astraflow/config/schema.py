@@ -246,10 +246,11 @@ class RolloutConfig:
 class WorkflowConfig:
     """Parameters of the multi-policy and agentic workflows."""
     retry: bool = False  # solver_verifier: the solver answers once more after a rejection
-    # rlvr, code, search: a group whose sampled answers all scored 0 gets the reference answer
-    # (search: the row's searches, then the answer) as one more member, scored (not sampled)
-    # by the engine, so a prompt the policy cannot yet solve still teaches it something
-    # instead of being filtered (off-policy guidance, as in LUFFY, arXiv 2504.14945). Its reward is never counted as a generated reward.
+    # rlvr, code, search, solver_verifier (its solver): a group whose sampled answers all
+    # scored 0 gets the reference answer (search: the row's searches, then the answer) as one
+    # more member, scored (not sampled) by the engine, so a prompt the policy cannot yet solve
+    # still teaches it something instead of being filtered (off-policy guidance, as in LUFFY,
+    # arXiv 2504.14945). Its reward is never counted as a generated reward.
     reference_guidance: bool = False
     # solver_verifier: a group whose answers are all wrong (all right) also has the verifier
     # judge the reference answer (a drawn wrong answer), so that its verdicts cannot be read

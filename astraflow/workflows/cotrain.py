@@ -13,7 +13,9 @@
   that never gets a sum right makes "reject every answer to that sum" score).
   Those judgments are sampled, but of answers the solver did not give: `guided` records,
   trained on and not counted in the verifier's reward, which stays its balanced accuracy
-  on the solver's answers.
+  on the solver's answers. With `workflow.reference_guidance`, a group whose answers all
+  scored 0 also gets the reference answer as the solver's, scored by its engine (`guided`,
+  as in `rlvr`).
 - `solve_and_check`: the same exchange as one concatenated sequence with a per-token policy
   mask: both policies' records are the whole sequence; each trains only its own tokens.
 
@@ -24,6 +26,7 @@ template when prompts go through one); it answers "Y" or "N".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from dataclasses import replace
@@ -103,8 +106,22 @@ async def _exchange(task: Task, ctx: EpisodeContext, concatenated: bool) -> list
         return seq.record(verifier, vi, float(accept == truth), task.task_id, ctx.episode_id(),
                           time.perf_counter() - t0, meta)
 
+    async def reference() -> Trajectory:
+        """The reference answer as the solver's, scored (not sampled) by its engine."""
+        t0 = time.perf_counter()
+        forced = tuple(ctx.tokenizer.encode_completion(task.target))
+        answer = await ctx.engines[solver].generate(question, dataclasses.replace(ctx.sampling(), forced=forced))
+        seq = Sequence(question)
+        seq.add_completion(si, answer)
+        meta = {"completion": task.target, "attempt": -1, "truth": True, "guided": True}
+        return seq.record(solver, si, 1.0, task.task_id, ctx.episode_id(), time.perf_counter() - t0, meta)
+
     records = [r for g in await asyncio.gather(*(one() for _ in range(task.group_size))) for r in g]
-    if ctx.workflow.verifier_contrast and not concatenated:  # the loader allows it for solver_verifier only
+    # the loader allows these two for solver_verifier only
+    if ctx.workflow.reference_guidance and not concatenated and not any(
+            r.reward > 0 for r in records if r.policy == solver):
+        records.append(await reference())
+    if ctx.workflow.verifier_contrast and not concatenated:
         truths = [r.meta["truth"] for r in records if r.policy == verifier]
         if not any(truths):
             records.append(await contrast(task.target, True))

@@ -105,6 +105,26 @@ def test_verifier_contrast_shows_the_verifier_the_class_a_group_lacks(engine, so
     assert not any(r.meta.get("guided") for r in records[:-1])
 
 
+@pytest.mark.parametrize("solver_right", [False, True])
+def test_reference_guidance_gives_an_all_wrong_solver_group_the_reference_answer(engine, solver_right):
+    """With `reference_guidance`, a group whose answers all scored 0 also gets the reference
+    answer as the solver's: scored by its engine (the forced tokens, with their logprobs),
+    reward 1, `guided`, its trained tokens the answer alone; a group with a right answer does not."""
+    ctx = context(engine, {"solver": engine, "verifier": engine}, {"solver": "solver", "verifier": "verifier"},
+                  reference_guidance=True)
+    ctx.reward = constant(float(solver_right))
+    records = asyncio.run(solver_verifier(TASK, ctx))
+    solver = [r for r in records if r.policy == "solver"]
+    guided = [r for r in solver if r.meta.get("guided")]
+    assert len(solver) == TASK.group_size + (not solver_right) and len(guided) == (not solver_right)
+    if guided:
+        (reference,) = guided
+        answer = engine.tok.encode_completion(TASK.target)
+        assert reference.reward == 1.0 and trained_owner(reference) == {0}
+        assert reference.tokens[reference.loss_mask == 1].tolist() == answer
+        assert (reference.logprobs[reference.loss_mask == 1] < 0).all()
+
+
 def test_the_verifier_judges_answers_written_as_the_solver_writes_them():
     """Where the solver is taught to write `\\boxed{N}` (word problems), the verifier's
     contrast and warm-up answers are written so too: the right one is the target, a wrong one

@@ -58,8 +58,9 @@ def test_choices_are_listed():
         parse_config(BASE_CONFIG, overrides=["trainer.ref_kl=-0.1"])
     with pytest.raises(ConfigError, match=r"policies.0.ref_kl: expected >= 0 \(0: no KL term\), got -1.0"):
         parse_config(BASE_CONFIG, overrides=["policies.0.ref_kl=-1"])
-    with pytest.raises(ConfigError, match=r"workflow.reference_guidance: only the rlvr, code and search workflows add "
-                                          r"reference answers; tasks.workflow is 'multi_turn_tool': set it to false"):
+    with pytest.raises(ConfigError, match=r"workflow.reference_guidance: only the rlvr, code, search and "
+                                          r"solver_verifier workflows add reference answers; tasks.workflow is "
+                                          r"'multi_turn_tool': set it to false"):
         parse_config(BASE_CONFIG, overrides=["workflow.reference_guidance=true", "tasks.workflow=multi_turn_tool",
                                                  "policies.0.role=agent"])
     with pytest.raises(ConfigError, match=r"workflow: expected max_turns >= 1, env_request_timeout_s > 0"):
