@@ -67,7 +67,7 @@ async def search(task: Task, ctx: EpisodeContext) -> list[Trajectory]:
     index: SearchIndex = await asyncio.to_thread(index_for, ctx.tasks)  # built once per process
     k = ctx.workflow.search_top_k
 
-    async def one(script: list[tuple[int, ...]] = ()) -> Trajectory:
+    async def one(script: tuple[tuple[int, ...], ...] = ()) -> Trajectory:
         """An episode; with `script`, the turns' completions are forced (the reference path)."""
         t0 = time.perf_counter()
         seq = Sequence(ctx.prompt_ids(task))
@@ -97,7 +97,7 @@ async def search(task: Task, ctx: EpisodeContext) -> list[Trajectory]:
     reference = task.row.get("queries")
     if ctx.workflow.reference_guidance and reference and not any(t.reward > 0 for t in group):
         calls = [*map(search_call, reference), answer_call(task.answer)]
-        group.append(await one([tuple(ctx.tokenizer.encode_completion(c)) for c in calls]))
+        group.append(await one(tuple(tuple(ctx.tokenizer.encode_completion(c)) for c in calls)))
     return group
 
 
