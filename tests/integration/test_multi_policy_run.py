@@ -83,6 +83,25 @@ def test_solver_and_verifier_train_independently_on_their_own_tokens(tmp_path):
         reader.close()
 
 
+def test_cotrain_chat_runs_both_policies_on_vllm_engines_in_one_worker(tmp_path):
+    """configs/cotrain_chat.yaml as shipped (vllm-batch): one worker holds the solver's and the
+    verifier's vLLM engines, in one process (their batches crashed it when they overlapped);
+    the solver's all-wrong groups get the reference answer, the verifier both classes."""
+    run_dir = tmp_path / "run"
+    small = [o for o in SMALL if not o.startswith("engine.kind=")]
+    overrides = [*small, "trainer.steps=3", "trainer.batch_size=32", "policies.1.batch_size=32",
+                 "tasks.warmup=200", "tasks.heldout=16", "rollout.concurrency=8"]
+    launcher = astraflow_run("configs/cotrain_chat.yaml", run_dir, overrides)
+    out, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, err[-3000:]
+    summary = json.loads(out[out.index("{"):])
+    assert summary["policies"]["solver"]["steps"] == 3 and summary["policies"]["verifier"]["steps"] == 3
+    assert summary["failed_episodes"] == {}
+    df = load_rows(run_dir)
+    guided = df[df["guided"] == 1]
+    assert set(guided["policy"]) == {"solver", "verifier"}  # reference answers and contrast verdicts
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
