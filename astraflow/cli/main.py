@@ -334,10 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run every component locally, supervised (the embedded default)")
     p.add_argument("config", nargs="?", metavar="CONFIG|RUN_DIR",
-                   help="a YAML config (a path, or the name of a packaged one: quickstart, math_chat, code, search, cotrain_chat, "
-                        "multi_policy) for a new run; or an existing run directory to resume it. With an existing --run-dir a "
-                        "config that differs from the run's is refused, naming the keys (runtime keys change with "
-                        "--set)")
+                   help="a YAML config (a path, or the name of a packaged one: quickstart, math_chat, code, "
+                        "search, multi_policy, cotrain_chat) for a new run; or an existing run directory to resume "
+                        "it. With an existing --run-dir a config that differs from the run's is refused, naming the "
+                        "keys (runtime keys change with --set)")
     p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>; existing: resume)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress output (on a terminal a line redrawn every "
