@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import sys
 import threading
 from pathlib import Path
+from types import ModuleType
 
 from astraflow.config.loader import ConfigError
 from astraflow.config.schema import TaskSourceConfig
@@ -69,18 +71,30 @@ def corpus_of(tasks: TaskSourceConfig) -> list[str]:
                       f"tasks.kind: search_facts (its generated corpus); tasks.kind is {tasks.kind!r}")
 
 
-def _words(texts: list[str]) -> list[list[str]]:
+def _bm25s() -> ModuleType:
+    """`bm25s`, imported without numba. bm25s imports numba (and with it llvmlite) whenever it
+    can, and an in-process vLLM engine built afterwards in the same process died in vLLM's scan
+    of every loaded module for kernels to rebind (llvmlite's function wrappers break it). Its
+    numpy backend, the default, needs neither."""
+    if "bm25s" not in sys.modules and "numba" not in sys.modules:
+        sys.modules["numba"] = None  # type: ignore[assignment]  # `import numba` raises ImportError
+        try:
+            import bm25s  # noqa: F401
+        finally:
+            del sys.modules["numba"]
     import bm25s
 
-    return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
+    return bm25s
+
+
+def _words(texts: list[str]) -> list[list[str]]:
+    return _bm25s().tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
 
 class SearchIndex:
     def __init__(self, documents: list[str]) -> None:
-        import bm25s
-
         self.documents = documents
-        self.bm25 = bm25s.BM25()
+        self.bm25 = _bm25s().BM25(backend="numpy")
         self.bm25.index(_words(documents), show_progress=False)
 
     def search(self, query: str, k: int) -> list[str]:

@@ -5,7 +5,8 @@ with their chat templates (the tied one is where vLLM's own `reload_weights` lea
 stale) — the continuous engine (`vllm`, whose weights cross to vLLM's engine-core process) on
 all three, the batch-synchronous one (`vllm-batch`, in-process) on the tied one. A checkpoint
 that does not fit the model is refused and the engine keeps its weights. Two batch engines in
-one process (a two-policy worker's) take turns instead of crashing it."""
+one process (a two-policy worker's) take turns instead of crashing it, also after a search
+index was built in that process."""
 from __future__ import annotations
 
 import asyncio
@@ -48,7 +49,9 @@ def test_vllm_logprobs_and_reloads_match_the_trainer_weights(tmp_path, kind, lik
 TWO_ENGINES = """
 import asyncio, sys
 from astraflow.config.schema import EngineConfig
+from astraflow.environments.retrieval import SearchIndex
 from astraflow.rollout.engines import ENGINES, import_library
+SearchIndex(["Varnholt is a town."]).search("Varnholt", 1)  # its library loaded first (see retrieval._bm25s)
 import_library(EngineConfig(kind="vllm-batch"))
 from astraflow.rollout.engines.base import SamplingParams
 solver, verifier = (ENGINES["vllm-batch"](sys.argv[1], seed=s) for s in (0, 1))
@@ -66,7 +69,9 @@ print("ok")
 
 def test_two_batch_engines_in_one_process_never_run_at_once(tmp_path):
     """A worker of two policies holds two in-process engines; their batches, concurrent from
-    two threads, killed the process in its first rounds ("corrupted double-linked list")."""
+    two threads, killed the process in its first rounds ("corrupted double-linked list"). A
+    search index is built first, as in an evaluation process: vLLM's start-up failed once
+    bm25s had loaded numba."""
     require("vllm")
     model_dir = make_model("qwen2.5", "tiny", tmp_path / "model", corpus=CORPUS)
     out = subprocess.run([sys.executable, "-c", TWO_ENGINES, str(model_dir)], cwd=REPO, capture_output=True,
