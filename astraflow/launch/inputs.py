@@ -1,6 +1,6 @@
 """Everything a run reads, checked before any component starts: the model directory, the
-data set (every row), a search agent's corpus (every line), the reward, the model family's shape, the sandbox where answers' tests
-run, the packages of the enabled metrics backends. A problem is one ConfigError naming the
+data set (every row), a search agent's corpus (every line), the reward, the model family's
+shape, the sandbox where answers' tests run, the packages of the enabled metrics backends. A problem is one ConfigError naming the
 file, line (or row) and field; `astraflow run` and the Slurm job's dataflow task exit with it
 (code 2) within seconds, instead of starting components that would wait for a rank that never
 publishes or crash-loop on a load. No torch here: JSON and data files only. The trainer's

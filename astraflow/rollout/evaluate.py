@@ -5,9 +5,8 @@ scored by accuracy on the held-out prompts; a verifier by balanced accuracy on t
 each paired with the right answer and with a wrong one (so always-accept and always-reject
 both score 0.5); a search agent by its mean reward over greedy episodes of the run's own
 workflow, one per held-out prompt, with the same corpus and no reference guidance
-(`episode_reward`). A tool agent
-(multi_turn_tool) needs its environment server and is not evaluated here; its training reward
-is in the metrics.
+(`episode_reward`). A tool agent (multi_turn_tool) needs its environment server and is not
+evaluated here; its training reward is in the metrics.
 
 One engine per policy scores both: the starting weights first, then the last published
 version loaded into it. The local launcher starts the evaluation with the components
@@ -32,9 +31,9 @@ from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.rollout.engines import import_library
 from astraflow.rollout.engines.base import Engine
 from astraflow.rollout.worker import build_engines, run_tokenizer, sampling_params
+from astraflow.protocol.messages import Task
 from astraflow.weights.manifest import newest_dir
 from astraflow.tasks.sources import Item, TaskSource
-from astraflow.protocol.messages import Task
 from astraflow.workflows import WORKFLOWS, EpisodeContext
 from astraflow.workflows.cotrain import accepted, judge_context, wrong_answer
 from astraflow.workflows.rewards import Scorer
