@@ -30,11 +30,11 @@ from astraflow.config.schema import Config
 from astraflow.models.tokenizer import ModelTokenizer
 from astraflow.rollout.engines import import_library
 from astraflow.rollout.engines.base import Engine
-from astraflow.rollout.worker import build_engines, run_tokenizer, sampling_params
+from astraflow.rollout.worker import build_engines, episode_context, run_tokenizer, sampling_params
 from astraflow.protocol.messages import Task
 from astraflow.weights.manifest import newest_dir
 from astraflow.tasks.sources import Item, TaskSource
-from astraflow.workflows import WORKFLOWS, EpisodeContext
+from astraflow.workflows import WORKFLOWS
 from astraflow.workflows.cotrain import accepted, judge_context, wrong_answer
 from astraflow.workflows.rewards import Scorer
 
@@ -67,12 +67,9 @@ async def _balanced_accuracy(engine: Engine, tokenizer: ModelTokenizer, items: l
 
 
 async def _episode_reward(engine: Engine, tokenizer: ModelTokenizer, items: list[Item], cfg: Config) -> float:
-    ctx = EpisodeContext(engines={p: engine for p in cfg.policy_names}, tokenizer=tokenizer,
-                         params=sampling_params(cfg, tokenizer, temperature=0.0),
-                         reward=Scorer(cfg.tasks.reward, cfg.tasks.reward_timeout_s),
-                         policy_index={p: i for i, p in enumerate(cfg.policy_names)},
-                         rng=np.random.default_rng(cfg.run.seed), roles=cfg.roles,
-                         workflow=dataclasses.replace(cfg.workflow, reference_guidance=False), tasks=cfg.tasks)
+    ctx = episode_context(cfg, {p: engine for p in cfg.policy_names}, tokenizer, np.random.default_rng(cfg.run.seed),
+                          temperature=0.0)
+    ctx.workflow = dataclasses.replace(cfg.workflow, reference_guidance=False)
     run = WORKFLOWS[cfg.tasks.workflow].run
     tasks = [Task(i, 0.0, item.prompt, item.answer, 1, cfg.policy_names, messages=list(item.messages),
                   solution=item.solution, row=item.row) for i, item in enumerate(items)]

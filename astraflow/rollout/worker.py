@@ -108,6 +108,16 @@ def sampling_params(cfg: Config, tokenizer: ModelTokenizer, temperature: float |
     return SamplingParams(e.max_tokens, e.temperature if temperature is None else temperature, stop=tokenizer.stop_ids)
 
 
+def episode_context(cfg: Config, engines: dict[str, Any], tokenizer: ModelTokenizer, rng: np.random.Generator,
+                    temperature: float | None = None, **extra: Any) -> EpisodeContext:
+    """What the run's workflow gets: its engines, the tokenizer, the config's sampling, reward,
+    roles and workflow settings (`extra`: what only a worker has, its environment and tools)."""
+    return EpisodeContext(engines=engines, tokenizer=tokenizer, params=sampling_params(cfg, tokenizer, temperature),
+                          reward=Scorer(cfg.tasks.reward, cfg.tasks.reward_timeout_s),
+                          policy_index={p: i for i, p in enumerate(cfg.policy_names)}, rng=rng, roles=cfg.roles,
+                          workflow=cfg.workflow, tasks=cfg.tasks, **extra)
+
+
 class RolloutWorker:
     """One worker's membership of one run. It uses engines it is given (a standby worker keeps
     its engines from run to run) or builds its own, which it closes when it leaves."""
@@ -347,12 +357,8 @@ class RolloutWorker:
         self.failures = open(self.rundir.path / "logs" / f"{FAILURES_PREFIX}{self.base_id}.jsonl", "a")
         tokenizer = run_tokenizer(self.rundir)
         self.workflow = WORKFLOWS[cfg.tasks.workflow].run
-        self.ctx = EpisodeContext(
-            engines=self.engines, tokenizer=tokenizer, params=sampling_params(cfg, tokenizer),
-            reward=Scorer(cfg.tasks.reward, cfg.tasks.reward_timeout_s),
-            policy_index={p: i for i, p in enumerate(cfg.policy_names)},
-            rng=np.random.default_rng([cfg.run.seed, os.getpid()]), roles=cfg.roles, workflow=cfg.workflow,
-            tasks=cfg.tasks, environment=await self.environment(), tools=Sandbox())
+        self.ctx = episode_context(cfg, self.engines, tokenizer, np.random.default_rng([cfg.run.seed, os.getpid()]),
+                                   environment=await self.environment(), tools=Sandbox())
         self.client = AsyncClient(wait_rendezvous(self.rundir.path)["address"], self.rundir.read_secret(), timeout_s=10)
         loop = self.loop = asyncio.get_running_loop()
         for policy in self.policies:
