@@ -5,11 +5,12 @@ the real shard writer and all acknowledged by a trainer (`bench restart`'s `popu
 dataflow rank process on it (its start is timed: recovery); `clients` simulated rollout
 workers over the real protocol, spread over `processes` processes. A simulated worker is a
 real worker's message pattern without a model: Register; Lease for its free slots
-(`CONCURRENCY`); each leased task "generates" for an exponential time of mean `gen_s`, then
-is committed as a group of `GROUP` trajectories of `tokens` tokens; keep-alive exactly as the
-real worker (`rollout/keepalive.py`: a Renew for leases half their term old, a Heartbeat
-only after a silent interval); a Weights poll only after `rollout.weight_poll_s` without a reply
-naming the versions; an empty lease waits what the reply says, with the worker's backoff.
+(`concurrency` episodes at once; a real worker runs `rollout.concurrency`, 16 by default);
+each leased task "generates" for an exponential time of mean `gen_s`, then is committed as
+a group of `GROUP` trajectories of `tokens` tokens; keep-alive exactly as the real worker
+(`rollout/keepalive.py`: a Renew for leases half their term old, a Heartbeat only after a
+silent interval); a Weights poll only after `rollout.weight_poll_s` without a reply naming
+the versions; an empty lease waits what the reply says, with the worker's backoff.
 One consumer takes a trainer's part: it asks for the next step's batch as soon as the last
 one is acknowledged.
 
@@ -54,7 +55,8 @@ from astraflow.rollout.keepalive import is_contact, keepalive_due
 from astraflow.rollout.worker import OPEN_ENDED
 
 GROUP = 8
-CONCURRENCY = 2  # episodes a simulated worker runs at once
+CONCURRENCY = 2  # episodes a simulated worker runs at once, by default: a small worker's, the most
+# keep-alive messages per unit of work (heartbeats go per worker, work per episode)
 WORKER_NICE = 10  # the load generators yield to the rank they load (as `bench dataflow`)
 TARGETS = {"commit_p99_ms": 250.0, "no_work_fraction": 0.05, "dataflow_peak_rss_mb": 1024.0,
            "restart_after_kill_s": 60.0}
@@ -89,13 +91,14 @@ class SimWorker:
 class Load:
     """One process's simulated workers, driven by one poll loop and a heap of wake-up times."""
 
-    def __init__(self, run_dir: str, index: int, clients: int, tokens: int, gen_s: float, poll_s: float) -> None:
+    def __init__(self, run_dir: str, index: int, clients: int, tokens: int, gen_s: float, poll_s: float,
+                 concurrency: int) -> None:
         self.secret = RunDir.open(run_dir).read_secret()
         self.address = wait_rendezvous(run_dir)["address"]
         self.ctx = zmq.Context()
         self.rng = np.random.default_rng(index)
         self.pool = PayloadPool(self.rng, "policy", tokens)
-        self.gen_s, self.poll_s = gen_s, poll_s
+        self.gen_s, self.poll_s, self.concurrency = gen_s, poll_s, concurrency
         self.latencies: dict[str, list[float]] = defaultdict(list)
         self.counts: dict[str, int] = defaultdict(int)
         self.acked: list[int] = []
@@ -104,7 +107,7 @@ class Load:
         for i in range(clients):
             conn = Client(self.address, self.secret, context=self.ctx)
             t0 = time.perf_counter()
-            reply = conn.call(m.Register(m.PROTOCOL_VERSION, f"sim-{index}-{i}", ["policy"], capacity=CONCURRENCY))
+            reply = conn.call(m.Register(m.PROTOCOL_VERSION, f"sim-{index}-{i}", ["policy"], capacity=concurrency))
             self._count("register", time.perf_counter() - t0)
             every = min(reply.heartbeat_s, reply.lease_s / 3)
             self.sims.append(SimWorker(conn, reply.worker_id, every, reply.lease_s, now, now + every, now))
@@ -130,7 +133,7 @@ class Load:
         if now - s.last_latest >= self.poll_s:
             s.last_latest = now  # asked: the reply names the versions
             return "weights", m.Weights("policy")
-        free = CONCURRENCY - len(s.done_at)
+        free = self.concurrency - len(s.done_at)
         if free > 0 and now >= s.lease_after:
             return "lease", m.Lease(s.worker_id, free, {"policy": 0})
         wakes = [s.next_keepalive, s.last_latest + self.poll_s, *s.done_at.values()]
@@ -202,12 +205,12 @@ class Load:
                 heapq.heappush(wake, (time.monotonic(), i))
 
 
-def _load(run_dir: str, index: int, clients: int, tokens: int, gen_s: float, poll_s: float, seconds: float,
-          go: "mp.Barrier", out: mp.Queue) -> None:
+def _load(run_dir: str, index: int, clients: int, tokens: int, gen_s: float, poll_s: float, concurrency: int,
+          seconds: float, go: "mp.Barrier", out: mp.Queue) -> None:
     os.nice(WORKER_NICE)
     load = None
     try:
-        load = Load(run_dir, index, clients, tokens, gen_s, poll_s)
+        load = Load(run_dir, index, clients, tokens, gen_s, poll_s, concurrency)
         go.wait()
         load.run(seconds)
         error = ""
@@ -259,14 +262,14 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 def run_bench(clients: int = 1024, stored: int = 1_000_000, seconds: float = 60.0, processes: int = 4,
               tokens: int = 64, gen_s: float = 4.0, poll_s: float = 30.0, heartbeat_timeout_s: float = 30.0,
-              lease_s: float = 60.0) -> dict:
+              lease_s: float = 60.0, concurrency: int = CONCURRENCY) -> dict:
     """Run the bench in a temporary directory, removed at the end with every process it
     started, whatever happens."""
     tmp = Path(tempfile.mkdtemp(prefix="astraflow-scale-"))
     started: list = []  # the load and consumer processes, the ranks
     try:
         return _measure(tmp, started, clients, stored, seconds, processes, tokens, gen_s, poll_s,
-                        heartbeat_timeout_s, lease_s)
+                        heartbeat_timeout_s, lease_s, concurrency)
     finally:
         for p in started:
             if isinstance(p, subprocess.Popen):
@@ -278,7 +281,7 @@ def run_bench(clients: int = 1024, stored: int = 1_000_000, seconds: float = 60.
 
 
 def _measure(tmp: Path, started: list, clients: int, stored: int, seconds: float, processes: int, tokens: int,
-             gen_s: float, poll_s: float, heartbeat_timeout_s: float, lease_s: float) -> dict:
+             gen_s: float, poll_s: float, heartbeat_timeout_s: float, lease_s: float, concurrency: int) -> dict:
     (tmp / "scale.yaml").write_text(CONFIG.format(group=GROUP, steps=1 << 30, batch=BATCH, capacity=1 << 30,
                                                   heartbeat_timeout_s=heartbeat_timeout_s, lease_s=lease_s))
     run = RunDir.create(tmp / "run", tmp / "scale.yaml")
@@ -292,7 +295,8 @@ def _measure(tmp: Path, started: list, clients: int, stored: int, seconds: float
     out = ctx.Queue()
     go = ctx.Barrier(processes + 2)
     share = [clients // processes + (i < clients % processes) for i in range(processes)]
-    procs = [ctx.Process(target=_load, args=(str(run.path), i, n, tokens, gen_s, poll_s, seconds, go, out))
+    procs = [ctx.Process(target=_load, args=(str(run.path), i, n, tokens, gen_s, poll_s, concurrency, seconds, go,
+                                                     out))
              for i, n in enumerate(share)]
     procs.append(ctx.Process(target=_consumer, args=(str(run.path), consumed // BATCH, seconds, go, out)))
     started.extend(procs)
@@ -332,7 +336,7 @@ def _measure(tmp: Path, started: list, clients: int, stored: int, seconds: float
     rank_counters = status["protocol"]["counters"]
     result = {
         "clients": clients, "processes": processes, "stored_before": stored, "seconds": seconds, "tokens": tokens,
-        "gen_s": gen_s, "populate_s": populate_s,
+        "gen_s": gen_s, "concurrency": concurrency, "populate_s": populate_s,
         "start_to_serving_s": start_s,
         "latency": {k: _pct(v) for k, v in sorted(latencies.items())},
         "messages": dict(sorted(counts.items())), "consumer_steps": consumer["steps"],

@@ -274,7 +274,7 @@ def _bench_scale(args: argparse.Namespace) -> int:
     from astraflow.bench.scale import run_bench
 
     result = run_bench(clients=args.clients, stored=args.stored, seconds=args.seconds, processes=args.processes,
-                       tokens=args.tokens, gen_s=args.gen_s)
+                       tokens=args.tokens, gen_s=args.gen_s, concurrency=args.concurrency)
     print(json.dumps(result, indent=None if args.json else 2))
     for problem in result["problems"]:
         print(f"astraflow bench scale: {problem}", file=sys.stderr)
@@ -547,6 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--processes", type=int, default=4, help="processes the workers are spread over")
     b.add_argument("--tokens", type=int, default=64, help="tokens per committed trajectory")
     b.add_argument("--gen-s", type=float, default=4.0, help="mean generation time of a task (exponential)")
+    b.add_argument("--concurrency", type=int, default=2,
+                   help="episodes each simulated worker runs at once (a real worker's rollout.concurrency: 16)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_scale)
     return parser
