@@ -248,7 +248,7 @@ def _bench_learn(args: argparse.Namespace) -> int:
     from astraflow.bench.learn import run_bench
 
     result = run_bench(args.config, args.seeds, args.set, args.first_at_most, args.last_at_least, args.heldout_gain,
-                       args.wall_s)
+                       args.wall_s, keep=args.keep)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0 if result["passed"] else 1
 
@@ -512,6 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--last-at-least", type=float, default=0.6, help="generated reward over the last 10%% of steps")
     b.add_argument("--heldout-gain", type=float, default=0.2, help="greedy held-out score, last minus starting weights")
     b.add_argument("--wall-s", type=float, default=600.0, help="seconds per run, everything included")
+    b.add_argument("--keep", metavar="DIR", help="run the seeds in DIR/seed-N and keep them (default: removed)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_learn)
 
