@@ -152,7 +152,9 @@ class TaskSourceConfig:
 class PolicyConfig:
     name: str  # the policy's name: its trainer, metrics file, weights and --set path
     max_staleness: int = runtime(2)  # max version lag at lease and at consumption
-    buffer_capacity: int = runtime(4096)  # samples buffered before leases pause
+    # samples ready plus in flight before leases pause; where generation outpaces the trainer,
+    # the surplus a deep buffer admits mostly ages into stale drops (docs/benchmarks.md)
+    buffer_capacity: int = runtime(4096)
     # Which ready samples a batch takes first: "oldest" (FIFO) or "newest" (the last stored;
     # stale ones are dropped from the other end), so that a standing queue ages nothing served
     serve_order: str = runtime("oldest", choices=("oldest", "newest"))
