@@ -64,6 +64,7 @@ WORKLOAD = {
     "workflow.verifier_contrast": "false",
 }
 TIMINGS = ("async_s_per_iter", "sync_s_per_iter", "speedup")
+DROP_CAUSES = ("dropped_stale", "filtered_zero_advantage", "unused_trainer_done")  # summing to "dropped"
 
 
 def seconds_per_iter(run_dir: Path, policies: list[str]) -> float:
@@ -89,7 +90,8 @@ def one_mode(config: str, mode: str, overrides: list[str], root: Path) -> dict:
             "rewards": {p: {"first": s.get("reward_first"), "last": s.get("reward_last")}
                         for p, s in summary["policies"].items()},
             "eval": summary.get("eval", {}), "wall_s": summary["wall_s"], "generated": summary["generated"],
-            "trained": summary["trained"], "dropped": summary["dropped"], "worker_pids": registered_pids(run_dir)}
+            "trained": summary["trained"], "dropped": summary["dropped"],
+            "dropped_by_cause": {k: summary[k] for k in DROP_CAUSES}, "worker_pids": registered_pids(run_dir)}
 
 
 def compare(config: str, overrides: list[str], root: Path) -> dict:
