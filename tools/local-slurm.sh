@@ -27,7 +27,10 @@ die() { echo "local-slurm: $*" >&2; exit 1; }
 
 # state letter of a live (not zombie) process, empty if gone: PID 1 here reaps late
 alive() { local s; s=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null || true); [[ -n "$s" && "$s" != Z ]]; }
-pid_alive() { [[ -f "$1" ]] && alive "$(cat "$1")"; }
+# the pid in file $1 names a live process called $2 (a stale file's pid may name another one)
+pid_alive() { local p; [[ -f "$1" ]] && p=$(cat "$1") && alive "$p" && [[ $(cat "/proc/$p/comm" 2>/dev/null) == "$2" ]]; }
+# the daemon a pid file of this script belongs to: slurmd-<node>.pid -> slurmd
+daemon_of() { local b=${1##*/}; b=${b%.pid}; echo "${b%%-*}"; }
 
 node_names() {
   local p i
@@ -108,6 +111,11 @@ without_inherited_fds() {
   "$@"
 }
 
+# munged answers when a credential it encodes also decodes: a pid file proves nothing (a
+# snapshot of this machine may carry one whose pid now names another process, and munged
+# can be stopped by whoever installed it moments after it started).
+munge_answers() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
+
 start_munge() {
   if [[ ! -s /etc/munge/munge.key ]]; then
     mkdir -p /etc/munge
@@ -115,28 +123,40 @@ start_munge() {
     chown munge:munge /etc/munge/munge.key
     chmod 600 /etc/munge/munge.key
   fi
-  mkdir -p /run/munge && chown munge:munge /run/munge
-  pid_alive /run/munge/munged.pid && return
-  (without_inherited_fds runuser -u munge -- /usr/sbin/munged)
+  munge_answers && return
+  local pid_file=/run/munge/munged.pid try
+  if pid_alive "$pid_file" munged; then
+    kill "$(cat "$pid_file")" 2>/dev/null || true
+    sleep 0.5
+  fi
+  rm -f "$pid_file"
+  mkdir -p /run/munge /var/lib/munge /var/log/munge
+  chown munge:munge /run/munge /var/lib/munge /var/log/munge
+  for try in 1 2 3; do
+    (without_inherited_fds runuser -u munge -- /usr/sbin/munged --force) || true
+    for _ in $(seq 50); do munge_answers && return; sleep 0.1; done
+    echo "local-slurm: munged does not answer (try $try of 3)" >&2
+  done
+  tail -n 20 /var/log/munge/munged.log >&2 2>/dev/null || true
+  die "munged did not start; see /var/log/munge/munged.log"
 }
 
 healthy() {
-  pid_alive /run/slurmctld.pid || return 1
+  munge_answers || return 1
+  pid_alive /run/slurmctld.pid slurmctld || return 1
   local n
-  for n in $(node_names); do pid_alive "/run/slurmd-$n.pid" || return 1; done
+  for n in $(node_names); do pid_alive "/run/slurmd-$n.pid" slurmd || return 1; done
   ! sinfo -h -N -o '%N %t' 2>/dev/null | grep -Eq ' (down|drain|unk|fail)'
 }
 
 stop() {
-  local f p
+  local f
   for f in /run/slurmd-*.pid /run/slurmctld.pid; do
-    [[ -f $f ]] || continue
-    p=$(cat "$f")
-    alive "$p" && kill "$p" 2>/dev/null || true
+    pid_alive "$f" "$(daemon_of "$f")" && kill "$(cat "$f")" 2>/dev/null || true
   done
   for _ in $(seq 50); do
     local left=0
-    for f in /run/slurmd-*.pid /run/slurmctld.pid; do [[ -f $f ]] && alive "$(cat "$f")" && left=1; done
+    for f in /run/slurmd-*.pid /run/slurmctld.pid; do pid_alive "$f" "$(daemon_of "$f")" && left=1; done
     ((left == 0)) && break
     sleep 0.1
   done
@@ -157,7 +177,7 @@ start() {
     slurmd -N "$n"
   done
   for _ in $(seq 100); do
-    if healthy && [[ $(sinfo -h -N -t idle,mix,alloc -o '%N' | sort -u | wc -l) == $(node_names | wc -l) ]]; then
+    if healthy && [[ $(sinfo -h -N -t idle,mix,alloc -o '%N' 2>/dev/null | sort -u | wc -l) == $(node_names | wc -l) ]]; then
       echo "local-slurm: started ($(node_names | wc -l) nodes: ${PARTITIONS[*]})"
       return
     fi
