@@ -7,7 +7,10 @@ which a trainer consumed `consumed` of them, `BATCH` per step, as the rank journ
 
 Measured: a fresh `astraflow dataflow` process on that directory — seconds from its start
 until it answers `Status` (recovery: every shard's rows and the whole journal), its peak RSS
-(from its own status), and the counts it recovered, which must equal what was written. Run it
+(from its own status), and the counts it recovered, which must equal what was written. With
+`compact`, the compaction process runs first (timed) and the rank resumes from the compact
+state: it reads only the newest shard (the one compaction leaves, as it may be growing)
+and verifies the others; `shard_mb` sets how often the shards rotate. Run it
 as a benchmark: 10 M stored trajectories take a few minutes to write and ~2 GB of disk.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from astraflow.config.rundir import RunDir
+from astraflow.dataflow.recovery import COMPACT_STATE
 from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import Client, wait_rendezvous
@@ -36,7 +40,7 @@ WRITE_ROWS = 1 << 17  # rows per writer batch
 CONFIG = """
 run: {{name: bench-restart, seed: 0}}
 dataflow: {{interface: loopback}}
-store: {{shard_max_mb: 1024}}
+store: {{shard_max_mb: {shard_mb}}}
 tasks: {{kind: arithmetic, group_size: {group}, heldout: 0, max_operand: 40}}
 trainer: {{steps: {steps}, batch_size: {batch}}}
 policies:
@@ -80,16 +84,26 @@ def populate(run: RunDir, stored: int, consumed: int, tokens: int) -> None:
     state.close()
 
 
-def run_bench(stored: int = 1_000_000, consumed_fraction: float = 0.9, tokens: int = 4, keep: bool = False) -> dict:
+def run_bench(stored: int = 1_000_000, consumed_fraction: float = 0.9, tokens: int = 4, keep: bool = False,
+              shard_mb: float = 1024.0, compact: bool = False) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="astraflow-restart-"))
-    (tmp / "restart.yaml").write_text(CONFIG.format(group=GROUP, steps=1 << 30, batch=BATCH, capacity=1 << 30))
+    (tmp / "restart.yaml").write_text(CONFIG.format(group=GROUP, steps=1 << 30, batch=BATCH, capacity=1 << 30,
+                                                    shard_mb=shard_mb))
     run = RunDir.create(tmp / "run", tmp / "restart.yaml")
     consumed = int(stored * consumed_fraction) // BATCH * BATCH
     t0 = time.perf_counter()
     populate(run, stored, consumed, tokens)
     populate_s = time.perf_counter() - t0
-    disk_mb = sum(p.stat().st_size for p in (run.path / "shards").glob("*.h5")) / 2**20
-    journal_mb = sum(p.stat().st_size for p in (run.path / "journal").iterdir()) / 2**20
+    shards = list((run.path / "shards").glob("*.h5"))
+    disk_mb = sum(p.stat().st_size for p in shards) / 2**20
+    journal_mb = (run.path / "journal" / "journal.jsonl").stat().st_size / 2**20
+    compacted: dict = {}
+    if compact:  # as the rank starts it: its own process, over the shards and journal as they are
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "astraflow.dataflow.compact", str(run.path)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        compacted = {"compact_s": time.perf_counter() - t0,
+                     "compact_state_mb": (run.path / "journal" / COMPACT_STATE).stat().st_size / 2**20}
     log = open(run.path / "logs" / "dataflow.log", "w")
     t0 = time.perf_counter()
     rank = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "dataflow", "--run-dir", str(run.path)],
@@ -106,7 +120,10 @@ def run_bench(stored: int = 1_000_000, consumed_fraction: float = 0.9, tokens: i
     if not keep:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"stored": stored, "consumed": consumed, "tokens": tokens, "populate_s": populate_s,
-            "shards_mb": disk_mb, "journal_mb": journal_mb, "restart_to_serving_s": restart_s,
+            "shards": len(shards), "shards_mb": disk_mb,
+            "journal_mb": journal_mb, **compacted, "restart_to_serving_s": restart_s,
+            "recovery_s": status["store"]["recovery"]["s"],
+            "from_compact_state": status["store"]["recovery"]["from_compact_state"],
             "dataflow_peak_rss_mb": status["process"]["peak_rss_mb"],
             "recovered": {"stored": counts["stored"], "consumed": counts["consumed"]},
             "recovered_all": counts["stored"] == stored and counts["consumed"] == consumed}

@@ -265,9 +265,9 @@ def _bench_weights(args: argparse.Namespace) -> int:
 def _bench_restart(args: argparse.Namespace) -> int:
     from astraflow.bench.restart import run_bench
 
-    result = run_bench(args.stored, args.consumed_fraction, args.tokens)
+    result = run_bench(args.stored, args.consumed_fraction, args.tokens, shard_mb=args.shard_mb, compact=args.compact)
     print(json.dumps(result, indent=None if args.json else 2))
-    return 0 if result["recovered_all"] else 1
+    return 0 if result["recovered_all"] and result["from_compact_state"] == args.compact else 1
 
 
 def _bench_scale(args: argparse.Namespace) -> int:
@@ -538,6 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--stored", type=int, default=1_000_000, help="trajectories in the run's shards")
     b.add_argument("--consumed-fraction", type=float, default=0.9, help="of them, acknowledged by a trainer")
     b.add_argument("--tokens", type=int, default=4, help="tokens per trajectory")
+    b.add_argument("--shard-mb", type=float, default=1024.0, help="store.shard_max_mb (smaller: more shards)")
+    b.add_argument("--compact", action="store_true", help="write the compact state before the restart (timed)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_restart)
 

@@ -52,6 +52,10 @@ class DataflowConfig:
     # A commit with a longer trajectory is refused (astraflow/dataflow/validate.py): one
     # million-token record would otherwise be stored and served to a trainer.
     max_trajectory_tokens: int = runtime(131072)
+    # Every this many seconds (while the journal grows) a process beside the rank folds the
+    # shards and journal lines written since into RUN_DIR/journal/compact-state.npz, so that
+    # a restart reads only what came after it (astraflow/dataflow/recovery.py); 0: never.
+    compact_every_s: float = runtime(600.0)
 
 
 @dataclass(frozen=True)

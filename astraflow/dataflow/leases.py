@@ -56,6 +56,17 @@ class TaskSet:
         nonzero = np.flatnonzero(self._bits)
         return int(nonzero[-1]) if len(nonzero) else -1
 
+    def packed(self) -> tuple[np.ndarray, int]:
+        """The bitmap packed 8 ids a byte, and its length (`unpacked` reverses it)."""
+        return np.packbits(self._bits), len(self._bits)
+
+    @classmethod
+    def unpacked(cls, packed: np.ndarray, n: int) -> "TaskSet":
+        tasks = cls()
+        tasks._bits = np.unpackbits(packed, count=n).astype(bool)
+        tasks._n = int(tasks._bits.sum())
+        return tasks
+
     def missing_below(self, end: int) -> np.ndarray:
         """The ids below `end` not in the set."""
         bits = np.zeros(end, bool)

@@ -39,6 +39,17 @@ class SampleTable:
         for name, dtype in COLUMNS.items():
             setattr(self, name, np.empty(0, dtype))
 
+    @classmethod
+    def of(cls, columns: dict[str, np.ndarray]) -> "SampleTable":
+        """A table holding `columns` (every one of `COLUMNS`, of one length: its capacity),
+        taken as they are where they own their memory (they grow in place: `reserve`)."""
+        table = cls()
+        for name, dtype in COLUMNS.items():
+            column = np.asarray(columns[name], dtype)
+            setattr(table, name, column if column.flags.owndata and column.flags.writeable else column.copy())
+        table.capacity = len(table.policy)
+        return table
+
     def reserve(self, n_ids: int, exact: bool = False) -> None:
         """Room for ids below `n_ids`: exactly (recovery knows how many), else by half again.
         Columns grow in place (realloc, which moves large blocks by remapping pages): a copy

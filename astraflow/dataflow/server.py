@@ -28,6 +28,7 @@ import zmq
 
 from astraflow.config.rundir import RunDir
 from astraflow.dataflow import address
+from astraflow.dataflow.compact import Compaction
 from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
 from astraflow.protocol.client import RENDEZVOUS_FILE
@@ -52,6 +53,7 @@ class DataflowServer:
                            not_before=time.time() - RESTART_SLACK_S)
         self.state = DataflowState(run.path, run.config)
         self.state.recover()
+        self.compaction = Compaction(run.path, cfg.compact_every_s, self.state.clock)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -93,6 +95,7 @@ class DataflowServer:
             while self.running:
                 self.turn()
         finally:
+            self.compaction.close()
             self.state.close()
             self.sock.close(0)
             self.ctx.term()
@@ -127,6 +130,7 @@ class DataflowServer:
             except zmq.ZMQError:
                 self.state.counters["reply_dropped"] += 1
         self.outbox.clear()
+        self.compaction.poll()
 
     def _on_message(self, frames: list[bytes | memoryview]) -> None:
         identity, body = frames[0], frames[1:]

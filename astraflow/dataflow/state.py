@@ -7,7 +7,8 @@ server has flushed the store and the journal: the server sends replies only afte
 
 Recovery (`recover()`) rebuilds everything from the shards and the journal: committed tasks
 and samples from the shards, consumed steps, trainer restarts, published weights, worker
-restart counters and the task high-water mark from the journal.
+restart counters and the task high-water mark from the journal; as a fold (recovery.py)
+resumed from the compact state, if one still describes the run, reading only what came after it.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ import numpy as np
 
 from astraflow.config.schema import Config
 from astraflow.dataflow import schedule
-from astraflow.dataflow.buffers import (CONSUMED, FILTERED, READY, SERVED, PolicyBuffer, cached_mb, group_stats,
-                                       grouped_stats)
-from astraflow.dataflow.leases import TaskSet, TaskTable
+from astraflow.dataflow.buffers import READY, PolicyBuffer, cached_mb, group_stats
+from astraflow.dataflow.leases import TaskTable
+from astraflow.dataflow.recovery import COMPACT_STATE, RECOVERY_COLUMNS, Fold
 from astraflow.dataflow.samples import SampleTable
 from astraflow.dataflow.selection import PromptSelection
 from astraflow.dataflow.space import FreeSpace
@@ -37,7 +38,7 @@ from astraflow.dataflow.workers import WorkerRegistry
 from astraflow.models import base_model_dir
 from astraflow.protocol import messages as m
 from astraflow.store.errors import StoreRefused, StoreStop
-from astraflow.store.journal import Journal, replay
+from astraflow.store.journal import Journal
 from astraflow.store.reader import ShardCorrupt
 from astraflow.store.schema import TOKEN_COLUMNS
 from astraflow.store.shards import ShardStore
@@ -52,8 +53,6 @@ STARVING_S = 30.0  # a trainer waiting this long for a batch gets a warning sayi
 MAX_CAPACITY = 4096  # tasks one worker may hold at once (its registered capacity; Lease n <= it)
 STEPS_AHEAD = 4  # a batch request is for a consumed step (a replay), a served one, or at most
 # this many steps past the trainer's last acknowledged one (its next, or a prefetched one)
-RECOVERY_COLUMNS = ("sample_id", "task_id", "policy", "version_min", "reward", "guided", "length")
-RECOVERY_SLICE_ROWS = 1 << 19  # rows recovered at a time (the arithmetic holds ~100 bytes a row)
 
 
 MB = 1 << 20
@@ -66,6 +65,11 @@ class StoreFull(StoreStop):
 class ShardDamaged(StoreStop):
     """A shard could not be read back while serving: the rank records it in the journal and
     stops; its restart quarantines the shard (its tasks are handed out again)."""
+
+
+class StaleCompactState(Exception):
+    """The compact state covers a shard that recovery found damaged or gone: it is dropped and
+    everything is replayed."""
 
 
 class RequestError(Exception):
@@ -112,6 +116,8 @@ class DataflowState:
         self.sample_hwm = 0
         self.task_hwm = 0
         self.incarnation = 0
+        self.compact_used = False  # recovery resumed from the compact state (recovery.py)
+        self.recovery_s = 0.0  # how long the last `recover()` took
         self._handlers = {
             m.Register: self._register, m.Heartbeat: self._heartbeat, m.Lease: self._lease,
             m.Renew: self._renew, m.Commit: self._commit, m.Release: self._release,
@@ -125,138 +131,94 @@ class DataflowState:
     # ================================================================ recovery
     def recover(self) -> None:
         """Rebuild the state from the shards (a few columns of their row tables, shard by
-        shard, in whole-array operations) and the journal (read twice, line by line, never
-        held whole): 10 M stored samples are a few hundred MB of columns (`samples.py`)."""
-        journal = self.run_dir / "journal"
-        # the journal first: it names shards found damaged while serving, which go to quarantine
-        damaged, first_start, stranger, sample_hwm = self._scan_journal(journal)
-        self._check_journal_whole(first_start)
-        # a config that no longer matches the stored data is refused before anything is moved
-        shards = self.store.recover(damaged, RECOVERY_COLUMNS)
-        if stranger is not None:
-            self._refuse_journal_policy(stranger)
-        self.samples.reserve(sample_hwm, exact=True)  # every id handed out is below it
-        done = TaskSet()
-        uninformative: dict[int, bool] = {}  # task -> every group it produced was filtered (prompt selection)
-        for idx, reader, rows in shards:
-            tids = rows["task_id"]
-            lo = 0
-            while lo < len(tids):  # in slices of whole tasks, to bound the memory of the arithmetic
-                hi = min(len(tids), lo + RECOVERY_SLICE_ROWS)
-                while hi < len(tids) and tids[hi] == tids[hi - 1]:
-                    hi += 1
-                self._recover_rows(idx, lo, reader.policy_names, {c: v[lo:hi] for c, v in rows.items()}, done,
-                                   uninformative)
-                lo = hi
-            del rows, tids  # not held while the next shard is read
-        for tid in sorted(uninformative):  # in task order, as the tasks were committed (about)
-            self.selection.observe(tid, uninformative[tid])
-        high_water = 0
-        served: dict[str, dict[int, np.ndarray]] = {p: {} for p in self.policy_names}  # not yet consumed
-        for ev in replay(journal):
-            kind = ev.get("ev")
-            if kind == "start":
-                self.incarnation = ev["incarnation"]
-            elif kind == "samples":
-                self.sample_hwm = max(self.sample_hwm, ev["hwm"])
-            elif kind == "tasks":
-                high_water = max(high_water, ev["hwm"])
-            elif kind == "register":
-                self.workers.restarts[ev["base"]] = ev["k"]
-            elif kind == "published":
-                self.weights.publish(ev["policy"], ev["version"], ev["uri"], ev["pinned"], ev.get("full", True),
-                                     ev.get("base", ""), delete=False)
-            elif kind == "ready":  # a restarted trainer: what it was served went back to the buffer
-                self.buffers[ev["policy"]].trainer_step = ev["resume_step"]
-                served[ev["policy"]].clear()
-            elif kind == "served":
-                served[ev["policy"]][ev["step"]] = present = self._present(ev["policy"], ev["ids"])
-                self.buffers[ev["policy"]].counts["served"] += len(present)  # as live: every serving
-            elif kind == "consumed":
-                served[ev["policy"]].pop(ev["step"], None)
-                buf = self.buffers[ev["policy"]]
-                present = self._present(ev["policy"], ev["ids"])
-                self.lost_samples += len(ev["ids"]) - len(present)
-                self.samples.state[present] = CONSUMED
-                buf.consumed[ev["step"]] = present
-                buf.trainer_step = max(buf.trainer_step, ev["step"])
-        for policy, steps in served.items():
-            for step, present in steps.items():
-                self.samples.state[present] = SERVED
-                self.buffers[policy].served[step] = present
-        for buf in self.buffers.values():
-            buf.restore()
-        self.task_hwm = high_water
-        self.tasks.recover(done, high_water)
-        self.incarnation += 1
+        shard, in whole-array operations) and the journal (read once, line by line, never held
+        whole), as a fold (recovery.py): resumed from the compact state where it still
+        describes the run, so that only the shards and journal lines it does not cover are
+        read; else from nothing. 10 M stored samples are a few hundred MB of columns."""
+        started = time.perf_counter()
+        fold = self._compact_state()
+        try:
+            self._fold_all(fold)
+        except StaleCompactState as e:  # a shard it covers was found damaged just now, or is gone
+            log.warning("compact state not used: %s; replaying every shard and the whole journal", e)
+            self.compact_used = False
+            fold = Fold(self.cfg)
+            self._fold_all(fold)
+        self._install(fold)
         # Sample ids are never reused, not even those of a shard lost since: a new incarnation
         # starts above every id the journal says was handed out (journalled in blocks).
-        self.next_sample_id = max(self.next_sample_id, self.sample_hwm)
         self.journal.append("start", incarnation=self.incarnation, time=time.time(), first_sample=self.next_sample_id)
         self.flush()
-        log.info("recovered: %d tasks done, %d samples, %d queued tasks, %d quarantined shards",
-                 len(done), self.next_sample_id, len(self.tasks.queued), len(self.store.quarantined))
+        self.recovery_s = time.perf_counter() - started
+        log.info("recovered in %.1fs: %d tasks done, %d samples, %d queued tasks, %d quarantined shards%s",
+                 self.recovery_s, len(fold.done), self.next_sample_id, len(self.tasks.queued),
+                 len(self.store.quarantined), " (resumed from the compact state)" if self.compact_used else "")
 
-    def _recover_rows(self, idx: int, first_row: int, names: tuple[str, ...], rows: dict[str, np.ndarray],
-                      done: TaskSet, uninformative: dict[int, bool]) -> None:
-        """Consecutive rows of shard `idx`, from `first_row`, holding whole tasks: their samples
-        into the table, with their groups' advantages. A commit's rows are appended as one
-        batch and a shard rotates only between flushes, so a task's rows are consecutive in one
-        shard, and a group (a task's samples of one policy) is among them."""
-        n = len(rows["sample_id"])
-        to_run = np.array([self.policy_index[name] for name in names], np.int8)
-        policy = to_run[rows["policy"]]
-        order = np.lexsort((policy, rows["task_id"]))  # stable: a group's rows stay in commit order
-        tids, pols = rows["task_id"][order], policy[order]
-        first = np.ones(n, bool)
-        first[1:] = (tids[1:] != tids[:-1]) | (pols[1:] != pols[:-1])
-        starts = np.flatnonzero(first)
-        sizes = np.diff(np.append(starts, n))
-        group_policy = pols[starts]
-        settings = [self.cfg.policy(p) for p in self.policy_names]
-        scale = np.array([c.advantage_std for c in settings])[group_policy]
-        mean, std, adv = grouped_stats(rows["reward"][order], starts, scale)
-        filtered = np.array([c.filter_zero_advantage for c in settings])[group_policy] & (sizes > 1) & (std == 0.0)
-        sids = rows["sample_id"][order]
-        self.samples.put(sids, policy=pols, state=np.where(np.repeat(filtered, sizes), FILTERED, READY), task_id=tids,
-                         version_min=rows["version_min"][order], advantage=adv, group_mean=np.repeat(mean, sizes),
-                         group_std=np.repeat(std, sizes), shard=idx, row=first_row + order,
-                         tokens=rows["length"][order])
-        guided = np.bincount(policy, weights=rows["guided"], minlength=len(self.policy_names))
-        for name, buf in self.buffers.items():
-            buf.counts["guided"] += int(guided[buf.index])
-        done.add_many(np.unique(tids))
-        self.next_sample_id = max(self.next_sample_id, int(sids.max()) + 1)
-        if self.selection.on:
-            task_first = np.flatnonzero(np.append(True, tids[starts][1:] != tids[starts][:-1]))
-            for tid, zero in zip(tids[starts][task_first].tolist(),
-                                 np.logical_and.reduceat(filtered, task_first).tolist()):
-                uninformative[tid] = uninformative.get(tid, True) and zero
+    def _compact_state(self) -> Fold:
+        """The compact state as a fold to resume, if it still describes the journal; else an empty fold."""
+        path = self.journal.path.parent / COMPACT_STATE
+        if not path.exists():
+            return Fold(self.cfg)
+        try:
+            fold = Fold.load(path, self.cfg)
+        except ValueError as e:
+            log.warning("%s; replaying every shard and the whole journal", e)
+            return Fold(self.cfg)
+        why = fold.why_stale(self.journal.path)
+        if why is not None:
+            log.warning("compact state %s not used: %s; replaying every shard and the whole journal", path, why)
+            return Fold(self.cfg)
+        self.compact_used = True
+        return fold
 
-    def _present(self, policy: str, ids: list[int]) -> np.ndarray:
-        """Of a journal event's sample ids, those stored (a lost shard takes its samples along)."""
-        ids = np.asarray(ids, np.int64)
-        return ids[self.samples.present(ids, self.policy_index[policy])]
+    def _fold_all(self, fold: Fold) -> None:
+        """The journal (first: it names shards found damaged while serving, which go to
+        quarantine), then every shard's rows that `fold` does not cover."""
+        fold.fold_journal(self.journal.path)
+        self._check_journal_whole(fold.first_start)
+        covered = dict(fold.rows_covered)
+        damaged = sorted(set(covered) & set(fold.damaged))
+        if damaged:
+            raise StaleCompactState(f"shard {damaged[0]} was found damaged after it was folded")
+        # a config that no longer matches the stored data is refused before anything is moved
+        shards = self.store.recover(fold.damaged, RECOVERY_COLUMNS, skip=covered)
+        if fold.stranger is not None:
+            self._refuse_journal_policy(fold.stranger)
+        fold.samples.reserve(fold.sample_hwm, exact=True)  # every id handed out is below it
+        for idx, reader, rows in shards:
+            name = reader.path.name
+            if name in covered:  # its rows were skipped: none read
+                if reader.n_rows != covered.pop(name):
+                    raise StaleCompactState(f"shard {name} holds {reader.n_rows} good rows, "
+                                            f"{fold.rows_covered[name]} when it was folded")
+                continue
+            fold.fold_shard(name, idx, reader.policy_names, rows)
+            del rows  # not held while the next shard is read
+        if covered:
+            raise StaleCompactState(f"shard {sorted(covered)[0]} is gone (quarantined or removed)")
 
-    def _scan_journal(self, journal: Path
-                      ) -> tuple[dict[str, str], dict[str, Any] | None, dict[str, Any] | None, int]:
-        """One pass over the journal before anything is recovered: the shards found damaged
-        while serving (name -> why), the first `start` event, the first event naming a policy
-        the config does not have, and the sample-id high-water mark."""
-        damaged: dict[str, str] = {}
-        first_start = stranger = None
-        sample_hwm = 0
-        for ev in replay(journal):
-            kind = ev.get("ev")
-            if kind == "damaged":
-                damaged[ev["shard"]] = f"found damaged while serving: {ev['why']}"
-            elif kind == "start" and first_start is None:
-                first_start = ev
-            elif kind == "samples":
-                sample_hwm = max(sample_hwm, ev["hwm"])
-            if stranger is None and "policy" in ev and ev["policy"] not in self.policy_index:
-                stranger = ev
-        return damaged, first_start, stranger, sample_hwm
+    def _install(self, fold: Fold) -> None:
+        """Take over a complete fold: the table, the ledgers, the counts, the tasks."""
+        consumed, served, self.lost_samples = fold.resolve()
+        self.samples = fold.samples
+        for buf in self.buffers.values():
+            i = buf.index
+            buf.samples = fold.samples
+            buf.counts["guided"] += int(fold.guided[i])
+            buf.counts["served"] += int(fold.served_count[i])  # as live: every serving
+            buf.trainer_step = fold.trainer_step[i]
+            buf.consumed, buf.served = consumed[i], served[i]
+            buf.restore()
+        for tid in sorted(fold.uninformative):  # in task order, as the tasks were committed (about)
+            self.selection.observe(tid, fold.uninformative[tid])
+        self.workers.restarts.update(fold.restarts)
+        for ev in fold.published:
+            self.weights.publish(ev["policy"], ev["version"], ev["uri"], ev["pinned"], ev.get("full", True),
+                                 ev.get("base", ""), delete=False)
+        self.sample_hwm, self.task_hwm = fold.sample_hwm, fold.task_hwm
+        self.tasks.recover(fold.done, fold.task_hwm)
+        self.incarnation = fold.incarnation + 1
+        self.next_sample_id = max(fold.next_sample_id, fold.sample_hwm)
 
     def _check_journal_whole(self, first_start: dict[str, Any] | None) -> None:
         """The journal must go back to the run's first start: a rank that began a new one next to

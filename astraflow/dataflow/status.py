@@ -104,7 +104,8 @@ def build_status(state: "DataflowState", now: float) -> dict[str, Any]:
                   "torn_rows": dict(state.store.torn_rows), "lost_samples": state.lost_samples,
                   "open_shards": state.store.open_shards, "retries": state.store.retries,
                   "free_space_checks": state.space.measurements,
-                  "payload_cache_mb": cached_mb(state.buffers.values())},
+                  "payload_cache_mb": cached_mb(state.buffers.values()),
+                  "recovery": {"s": state.recovery_s, "from_compact_state": state.compact_used}},
         "protocol": {"counters": dict(state.counters)},
         "process": _process_usage(),
     }

@@ -232,21 +232,22 @@ class ShardReader:
                 break
         return good, ends
 
-    def rows(self, columns: tuple[str, ...] = tuple(ROW_COLUMNS)) -> dict[str, np.ndarray]:
-        """The row table's `columns` (one an older schema lacks reads as its default), read
-        `READ_ROWS` rows at a time into one array per column: only those columns are ever
-        held (recovery reads 7 of 18), never the whole table."""
+    def rows(self, columns: tuple[str, ...] = tuple(ROW_COLUMNS), start: int = 0) -> dict[str, np.ndarray]:
+        """The row table's `columns` (one an older schema lacks reads as its default) of the
+        good rows from `start` on, read `READ_ROWS` rows at a time into one array per column:
+        only those columns are ever held (recovery reads 7 of 18), never the whole table."""
+        n = max(0, self.n_rows - start)
         with self._damage("row table unreadable"):
             dataset = self.file["rows"]
             stored = [c for c in columns if c in dataset.dtype.names]
-            out = {c: np.empty(self.n_rows, dataset.dtype[c]) for c in stored}
+            out = {c: np.empty(n, dataset.dtype[c]) for c in stored}
             if stored:
                 selected = dataset.fields(stored)
-                for lo in range(0, self.n_rows, READ_ROWS):
-                    block = selected[lo:min(self.n_rows, lo + READ_ROWS)]
+                for lo in range(0, n, READ_ROWS):
+                    block = selected[start + lo:start + min(n, lo + READ_ROWS)]
                     for c in stored:
                         out[c][lo:lo + len(block)] = block[c]
-            return {c: out[c] if c in out else np.full(self.n_rows, MISSING_DEFAULTS.get(c, 0), ROW_COLUMNS[c])
+            return {c: out[c] if c in out else np.full(n, MISSING_DEFAULTS.get(c, 0), ROW_COLUMNS[c])
                     for c in columns}
 
     def verify(self) -> None:

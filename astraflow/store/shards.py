@@ -59,11 +59,12 @@ class ShardStore:
         self._writer_reader: ShardReader | None = None
 
     # ------------------------------------------------------------- recovery
-    def recover(self, damaged: dict[str, str] | None = None, columns: tuple[str, ...] = tuple(ROW_COLUMNS)
-                ) -> Iterator[tuple[int, ShardReader, dict[str, np.ndarray]]]:
+    def recover(self, damaged: dict[str, str] | None = None, columns: tuple[str, ...] = tuple(ROW_COLUMNS),
+                skip: dict[str, int] | None = None) -> Iterator[tuple[int, ShardReader, dict[str, np.ndarray]]]:
         """Open every shard now; the iterator returned then yields (index, reader, the row
-        table's `columns`) of every good shard and quarantines the damaged ones and those
-        named in `damaged` (name -> why: found unreadable while serving).
+        table's `columns` of the good rows past the first `skip[name]`) of every good shard
+        and quarantines the damaged ones and those named in `damaged` (name -> why: found
+        unreadable while serving).
 
         Every shard is opened before anything is moved: a shard that is readable but must not
         be used as it is — stored for other policies than the config names (a policy renamed
@@ -87,16 +88,16 @@ class ShardStore:
                     f"{list(self.policy_names)}: the config no longer matches the stored data (policies "
                     f"may be added at the end, not renamed, removed or reordered); restore the config's "
                     f"policies. Nothing was moved")
-        return self._recovered(opened, columns)
+        return self._recovered(opened, columns, skip or {})
 
-    def _recovered(self, opened: list[tuple[Path, bool, str]], columns: tuple[str, ...]
+    def _recovered(self, opened: list[tuple[Path, bool, str]], columns: tuple[str, ...], skip: dict[str, int]
                    ) -> Iterator[tuple[int, ShardReader, dict[str, np.ndarray]]]:
         for path, readable, why in opened:
             idx = shard_index(path)
             try:
                 if not readable:
                     raise ShardCorrupt(path, why)
-                reader, rows = self._with_reader(idx, lambda r: (r, r.rows(columns)))
+                reader, rows = self._with_reader(idx, lambda r: (r, r.rows(columns, skip.get(path.name, 0))))
                 self._with_reader(idx, ShardReader.verify)
             except ShardCorrupt as e:
                 self._drop(idx)

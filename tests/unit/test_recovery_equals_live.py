@@ -1,7 +1,7 @@
 """A restarted dataflow rank holds exactly what the live one held about every stored sample.
 
 Recovery rebuilds the sample table from a few columns of the shards' row tables in whole-array
-operations, a slice of whole tasks at a time (`DataflowState._recover_rows`), and the journal;
+operations, a slice of whole tasks at a time (`recovery.Fold.fold_rows`), and the journal;
 the live rank built it commit by commit. Two policies (one scaling advantages by the group's
 std, one not), multi-policy commits, filtered groups, several shards, consumed steps and a
 served step not yet acknowledged: every column of every sample, the buffers' counts and their
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from astraflow.bench.payload import random_trajectory
-from astraflow.dataflow import state as state_module
+from astraflow.dataflow import recovery
 from astraflow.dataflow.samples import COLUMNS
 from astraflow.dataflow.state import DataflowState
 from astraflow.protocol import messages as m
@@ -52,7 +52,7 @@ def snapshot(state: DataflowState) -> dict:
 
 
 def test_a_restarted_rank_rebuilds_exactly_the_live_sample_table(tmp_path, monkeypatch):
-    monkeypatch.setattr(state_module, "RECOVERY_SLICE_ROWS", 7)  # many slices, cut at task boundaries
+    monkeypatch.setattr(recovery, "RECOVERY_SLICE_ROWS", 7)  # many slices, cut at task boundaries
     run = make_run(tmp_path, config=CONFIG)
     state = DataflowState(run.path, run.config)
     state.recover()
