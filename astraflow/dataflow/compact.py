@@ -14,7 +14,8 @@ the rank's recovery decides what damage is.
 
 The dataflow rank starts it every `dataflow.compact_every_s` while the journal grows
 (`Compaction`), at a lower priority, one at a time; a restart then reads the compact state
-and only what came after it.
+and only what came after it. It holds what the rank's recovery holds (the sample table:
+38 bytes a stored sample) for the seconds it runs.
 """
 from __future__ import annotations
 

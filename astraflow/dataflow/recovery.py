@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -242,7 +243,7 @@ class Fold:
                 for i in range(len(fold.policy_names)):
                     fold.served[i] = _ledger_from(z, f"served.{i}")
                     fold.consumed[i] = _ledger_from(z, f"consumed.{i}")
-        except (OSError, KeyError, ValueError, json.JSONDecodeError, zlib.error) as e:
+        except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile, zlib.error) as e:
             raise ValueError(f"{path}: not a usable compact state ({type(e).__name__}: {e})") from None
         for key in ("rows_covered", "next_sample_id", "incarnation", "first_start", "damaged", "sample_hwm",
                     "task_hwm", "restarts", "published", "trainer_step", "journal_bytes", "journal_crc"):

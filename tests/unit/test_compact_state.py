@@ -137,6 +137,18 @@ def test_a_covered_shard_found_damaged_since_is_quarantined_and_everything_repla
     assert (run.path / "shards" / "quarantine" / victim).exists()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_compact_state_is_not_used(compacted, tmp_path, damage):
+    run, _ = compacted
+    expected = replayed_copy(run, tmp_path)
+    path = run.path / "journal" / COMPACT_STATE
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x93NUMPY" + bytes(range(256)) * 8)
+    state = restart(run.path, run.config)
+    assert not state.compact_used
+    assert full_state(state) == expected
+
+
 def test_a_compact_state_made_under_other_policy_settings_is_not_used(compacted, tmp_path):
     run, _ = compacted
     other = load_config(run.path / "config.yaml", ["policies.verifier.advantage_std=true"])
