@@ -137,7 +137,7 @@ start_munge() {
     for _ in $(seq 50); do munge_answers && return; sleep 0.1; done
     echo "local-slurm: munged does not answer (try $try of 3)" >&2
   done
-  tail -n 20 /var/log/munge/munged.log >&2 2>/dev/null || true
+  { tail -n 20 /var/log/munge/munged.log; ls -la /run/munge; pgrep -a munged; } >&2 2>/dev/null || true
   die "munged did not start; see /var/log/munge/munged.log"
 }
 
@@ -146,7 +146,9 @@ healthy() {
   pid_alive /run/slurmctld.pid slurmctld || return 1
   local n
   for n in $(node_names); do pid_alive "/run/slurmd-$n.pid" slurmd || return 1; done
-  ! sinfo -h -N -o '%N %t' 2>/dev/null | grep -Eq ' (down|drain|unk|fail)'
+  local states  # sinfo must answer: a failing one printed nothing, which once passed for "no node down"
+  states=$(sinfo -h -N -o '%N %t' 2>/dev/null) || return 1
+  ! grep -Eq ' (down|drain|unk|fail)' <<<"$states"
 }
 
 stop() {
