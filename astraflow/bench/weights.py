@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from astraflow.config.schema import WeightsConfig
+
 BATCH, TOKENS = 2, 64  # the training batch of each step: 2 sequences of 64 random tokens
 
 
@@ -102,7 +104,8 @@ def full_version(model_dir: Path, weights_root: Path, dtype):
 
 
 def run_bench(like: str, size: str, lrs: list[float], versions: int, dtype_name: str, threads: int,
-              workers: list[int] = (), rounds: int = 3, bucket_mb: float = 256.0) -> dict:
+              workers: list[int] = (), rounds: int = 3, bucket_mb: float = WeightsConfig.bucket_mb,
+              relay: str = WeightsConfig.relay) -> dict:
     import torch
 
     from astraflow.models.factory import make_model
@@ -129,7 +132,8 @@ def run_bench(like: str, size: str, lrs: list[float], versions: int, dtype_name:
                 from astraflow.bench.weights_collective import measure
 
                 tensors, manifest = full_version(model_dir, Path(tmp) / "weights", dtype)
-                collective = measure(tensors, manifest, model_dir, dtype_name, list(workers), rounds, bucket_mb, threads)
+                collective = measure(tensors, manifest, model_dir, dtype_name, list(workers), rounds, bucket_mb, relay,
+                                     threads)
     finally:
         torch.set_num_threads(previous)
     return {"like": like, "size": size, "parameters": parameters, "dtype": dtype_name, "workers": 1,

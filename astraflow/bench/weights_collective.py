@@ -7,8 +7,9 @@ holds an hf engine of the model in the publish dtype. Per round:
 - raw: rank 0 broadcasts the version's payload bytes as one flat buffer (`torch.distributed`
   with nothing around it: the link's ceiling for these bytes);
 - channel: rank 0 sends the version with `weights/collective.Sender` (header, manifest,
-  bucketed payload), each receiver takes it with `Receiver` (checksums verified) and installs
-  it into its engine, as a worker does.
+  bucketed payload, passed down the chain of receivers or broadcast by rank 0: `--relay`),
+  each receiver takes it with `Receiver` (checksums verified) and installs it into its
+  engine, as a worker does.
 After each, every member's finish time (wall clock: one machine) is gathered at rank 0, so
 the seconds reported run from the start of the send to a worker's finish. A round's time is
 its slowest worker's; summaries are medians over rounds, p50/p99 of `applied_s` over every
@@ -52,14 +53,14 @@ def _gather_times(group: dist.ProcessGroup, mine: list[float], world: int) -> li
 
 
 def _receiver(store: str, rank: int, world: int, model_dir: str, dtype: str, rounds: int, total: int,
-              bucket_mb: float, threads: int) -> None:
+              bucket_mb: float, relay: str, threads: int) -> None:
     """A worker's end: an engine, then per round the raw bytes and a version through the channel."""
     from astraflow.rollout.engines.hf import HFEngine
 
     torch.set_num_threads(threads)
     group = open_group(Path(store), rank, world, SETUP_S)
     engine = HFEngine(model_dir, threads=threads, dtype=dtype)
-    rx = Receiver(group, TIMEOUT.total_seconds(), bucket_mb)
+    rx = Receiver(group, TIMEOUT.total_seconds(), bucket_mb, relay)
     raw = torch.empty(total, dtype=torch.uint8)
     _gather_times(group, [time.time(), 0.0], world)  # ready
     for _ in range(WARMUP + rounds):
@@ -81,7 +82,7 @@ def _p99(values: list[float]) -> float:
 
 
 def measure_workers(tensors: dict[str, torch.Tensor], manifest: Manifest, model_dir: Path, dtype: str, workers: int,
-                    rounds: int, bucket_mb: float, threads: int) -> dict:
+                    rounds: int, bucket_mb: float, relay: str, threads: int) -> dict:
     """Raw broadcast and channel delivery of one full version to `workers` receivers."""
     _, total = layout(manifest)
     world = workers + 1
@@ -89,12 +90,12 @@ def measure_workers(tensors: dict[str, torch.Tensor], manifest: Manifest, model_
     with tempfile.TemporaryDirectory(prefix="bench-collective-") as tmp:
         store = str(Path(tmp) / "store")
         procs = [ctx.Process(target=_receiver, args=(store, r, world, str(model_dir), dtype, rounds, total, bucket_mb,
-                                                     threads), daemon=True) for r in range(1, world)]
+                                                     relay, threads), daemon=True) for r in range(1, world)]
         for p in procs:
             p.start()
         try:
             group = open_group(Path(store), 0, world, SETUP_S)
-            sender = Sender(group, TIMEOUT.total_seconds(), bucket_mb)
+            sender = Sender(group, TIMEOUT.total_seconds(), bucket_mb, relay)
             flat = torch.zeros(total, dtype=torch.uint8)
             _gather_times(group, [time.time(), 0.0], world)
             raw_s, received_s, applied_s, install_s = [], [], [], []
@@ -119,7 +120,7 @@ def measure_workers(tensors: dict[str, torch.Tensor], manifest: Manifest, model_
                 if p.is_alive():
                     p.kill()
     raw, received = _median(raw_s), _median(received_s)
-    return {"workers": workers, "rounds": rounds, "payload_bytes": total, "bucket_mb": bucket_mb,
+    return {"workers": workers, "rounds": rounds, "payload_bytes": total, "bucket_mb": bucket_mb, "relay": relay,
             "raw_s": raw, "raw_gbps": total / raw / 1e9, "received_s": received,
             "channel_gbps": total / received / 1e9, "efficiency": raw / received, "first_received_s": first_received_s,
             "applied_p50_s": _median(applied_s), "applied_p99_s": _p99(applied_s),
@@ -127,10 +128,10 @@ def measure_workers(tensors: dict[str, torch.Tensor], manifest: Manifest, model_
 
 
 def measure(tensors: dict[str, torch.Tensor], manifest: Manifest, model_dir: Path, dtype: str,
-            worker_counts: list[int], rounds: int, bucket_mb: float, threads: int) -> dict:
+            worker_counts: list[int], rounds: int, bucket_mb: float, relay: str, threads: int) -> dict:
     """`measure_workers` for each count; `applied_ratio`: p50 applied time at the largest count
     over that at the smallest (the channel's scaling with workers)."""
-    rows = [measure_workers(tensors, manifest, model_dir, dtype, n, rounds, bucket_mb, threads)
+    rows = [measure_workers(tensors, manifest, model_dir, dtype, n, rounds, bucket_mb, relay, threads)
             for n in worker_counts]
     return {"channel": "collective (gloo)", "per_workers": rows,
             "applied_ratio": rows[-1]["applied_p50_s"] / rows[0]["applied_p50_s"]}

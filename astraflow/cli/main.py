@@ -16,6 +16,7 @@ from typing import NoReturn
 from astraflow.cli.args import add_run_dir, add_version, resolve_run_dir
 from astraflow.config.loader import ConfigError
 from astraflow.config.rundir import NoRunDir
+from astraflow.config.schema import RELAYS, WeightsConfig
 
 
 def _dataflow(args: argparse.Namespace) -> int:
@@ -257,7 +258,7 @@ def _bench_weights(args: argparse.Namespace) -> int:
     from astraflow.bench.weights import run_bench
 
     result = run_bench(args.like, args.size, args.lr, args.versions, args.dtype, args.threads, args.workers,
-                       args.rounds, args.bucket_mb)
+                       args.rounds, args.bucket_mb, args.relay)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -530,7 +531,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the collective channel (gloo) to this many receiver processes each, beside a raw "
                         "broadcast of the same bytes, e.g. --workers 1 4")
     b.add_argument("--rounds", type=int, default=3, help="versions sent per worker count (medians over them)")
-    b.add_argument("--bucket-mb", type=float, default=256.0, help="the channel's bucket size (weights.bucket_mb)")
+    b.add_argument("--bucket-mb", type=float, default=WeightsConfig.bucket_mb,
+                   help="the channel's bucket size (weights.bucket_mb)")
+    b.add_argument("--relay", default=WeightsConfig.relay, choices=RELAYS,
+                   help="how the channel moves the payload (weights.relay)")
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.set_defaults(fn=_bench_weights)
 

@@ -25,6 +25,9 @@ def choice(default: str, *choices: str) -> Any:
     return field(default=default, metadata={"choices": choices})
 
 
+RELAYS = ("chain", "broadcast")  # weights.relay
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "astraflow"  # shown in plots and reports
@@ -376,7 +379,14 @@ class WeightsConfig:
     # every version once a broadcast has failed take the filesystem, which always has them.
     # Opt-in (default `filesystem`) until it has run longer than the quickstart's few runs.
     channel: str = choice("filesystem", "auto", "filesystem", "collective")
-    bucket_mb: float = 256.0  # tensors are broadcast flattened into buckets of this size
+    # How the collective channel moves a version's payload: `chain` (rank 0 sends each bucket
+    # to the first worker, which forwards it to the next as soon as it has arrived, and so
+    # on: rank 0 sends the payload once, whatever the number of workers) or `broadcast`
+    # (rank 0 sends each bucket to every worker itself), `weights/collective.py`.
+    relay: str = choice("chain", *RELAYS)
+    # The payload moves flattened into buckets of at most this size. A chain of n workers
+    # takes one payload's time plus n - 1 buckets': small buckets fill it sooner.
+    bucket_mb: float = 32.0
     # Every collective operation gives up after this long: a dead or stopped worker delays the
     # trainer by at most this much, and the version goes over the filesystem.
     broadcast_timeout_s: float = 30.0

@@ -72,10 +72,12 @@ def test_choices_are_listed():
                                           r"got explore=0.0, max_streak=4"):
         parse_config(BASE_CONFIG, overrides=["selection.explore=0"])
     with pytest.raises(ConfigError, match=r"weights: expected full_every >= 1, bucket_mb > 0 and "
-                                          r"broadcast_timeout_s > 0, got 0, 256.0, 30.0"):
+                                          r"broadcast_timeout_s > 0, got 0, 32.0, 30.0"):
         parse_config(BASE_CONFIG, overrides=["weights.full_every=0"])
     with pytest.raises(ConfigError, match=r"weights.channel.*'nccl'"):
         parse_config(BASE_CONFIG, overrides=["weights.channel=nccl"])
+    with pytest.raises(ConfigError, match=r"weights\.relay: 'ring' is not one of \['chain', 'broadcast'\]"):
+        parse_config(BASE_CONFIG, overrides=["weights.relay=ring"])
     with pytest.raises(ConfigError, match=r"rollout.weight_poll_s: expected > 0, got 0.0"):
         parse_config(BASE_CONFIG, overrides=["rollout.weight_poll_s=0"])
     with pytest.raises(ConfigError, match=r"rollout.partial: .*only the continuous engine.*engine.kind is 'hf'"):

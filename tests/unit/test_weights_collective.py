@@ -1,8 +1,10 @@
-"""The collective weight channel over gloo between real processes: versions arrive bit-equal
-(checked against the manifest), a version a receiver still holds is not overwritten by the
-next ones (receive buffers are reused only when nothing views them), and a receiver SIGKILLed
-or stopped mid-broadcast delays the sender by at most the timeout, after which the channel is
-closed and stays closed. The piece plan and the buffer pool are also checked on their own."""
+"""The collective weight channel over gloo between real processes, with either relay (each
+piece broadcast from rank 0, or passed down the chain of receivers): versions arrive
+bit-equal (checked against the manifest), a version a receiver still holds is not
+overwritten by the next ones (receive buffers are reused only when nothing views them), and
+a receiver SIGKILLed or stopped mid-version — at the end of the chain or in its middle —
+delays the sender by at most the timeout, after which the channel is closed and stays
+closed. The piece plan and the buffer pool are also checked on their own."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -20,12 +22,12 @@ from astraflow.weights.tensors import xxh3
 TIMEOUT_S = 3.0
 
 
-def receiver(store: str, rank: int, world: int, out, fail: str) -> None:
+def receiver(store: str, rank: int, world: int, relay: str, out, fail: str) -> None:
     """A worker's end in its own process: report each version's checksums and those of the
     version it held (as a follower does) while this one arrived, or die/stop on the first
     bucket after the header (`fail`)."""
     group = open_group(store, rank, world, TIMEOUT_S)
-    rx = Receiver(group, TIMEOUT_S, bucket_mb=0.25)
+    rx = Receiver(group, TIMEOUT_S, bucket_mb=0.25, relay=relay)
     held = None
     try:
         while True:
@@ -33,7 +35,11 @@ def receiver(store: str, rank: int, world: int, out, fail: str) -> None:
                 header = torch.zeros(3, dtype=torch.int64)
                 broadcast(group, header, rx.timeout)
                 broadcast(group, torch.empty(int(header[1]), dtype=torch.uint8), rx.timeout)
-                broadcast(group, torch.empty(rx.bucket, dtype=torch.uint8), rx.timeout)  # the first bucket
+                first = torch.empty(rx.bucket, dtype=torch.uint8)  # the first bucket
+                if relay == "chain":
+                    group.recv([first], rank - 1, 0).wait(rx.timeout)
+                else:
+                    broadcast(group, first, rx.timeout)
                 os.kill(os.getpid(), signal.SIGKILL if fail == "kill" else signal.SIGSTOP)
             tensors, manifest, _ = rx.receive()
             out.put((manifest.version, manifest.name, {n: xxh3(t) for n, t in tensors.items()},
@@ -57,26 +63,27 @@ def versions(tmp_path, n: int):
         yield pub.last, p.manifest
 
 
-def start(tmp_path, fails: list[str]):
+def start(tmp_path, fails: list[str], relay: str):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     store = str(tmp_path / "store")
-    procs = [ctx.Process(target=receiver, args=(store, r + 1, len(fails) + 1, out, f), daemon=True)
+    procs = [ctx.Process(target=receiver, args=(store, r + 1, len(fails) + 1, relay, out, f), daemon=True)
              for r, f in enumerate(fails)]
     for p in procs:
         p.start()
-    return Sender(open_group(store, 0, len(fails) + 1, 60), TIMEOUT_S, bucket_mb=0.25), procs, out
+    return Sender(open_group(store, 0, len(fails) + 1, 60), TIMEOUT_S, bucket_mb=0.25, relay=relay), procs, out
 
 
-def test_versions_arrive_bit_equal_at_every_receiver(tmp_path):
-    sender, procs, out = start(tmp_path, ["", ""])
+@pytest.mark.parametrize("relay,receivers", [("broadcast", 2), ("chain", 3)])
+def test_versions_arrive_bit_equal_at_every_receiver(tmp_path, relay, receivers):
+    sender, procs, out = start(tmp_path, [""] * receivers, relay)
     try:
         sent = {}
         for tensors, manifest in versions(tmp_path, 4):
             assert sender.send(tensors, manifest)
             sent[manifest.version] = (manifest.name, {n: info.xxh3 for n, info in manifest.tensors.items()})
-        got = [out.get(timeout=30) for _ in range(2 * len(sent))]
-        assert sorted(v for v, *_ in got) == sorted(list(sent) * 2)
+        got = [out.get(timeout=30) for _ in range(receivers * len(sent))]
+        assert sorted(v for v, *_ in got) == sorted(list(sent) * receivers)
         for version, name, sums, held in got:
             assert (name, sums) == sent[version]
             # the version held while this one arrived is intact (its buffer was not reused)
@@ -86,9 +93,10 @@ def test_versions_arrive_bit_equal_at_every_receiver(tmp_path):
             p.kill()
 
 
-@pytest.mark.parametrize("fail", ["kill", "stop"])
-def test_a_receiver_dying_mid_broadcast_delays_the_sender_at_most_the_timeout(tmp_path, fail):
-    sender, procs, out = start(tmp_path, ["", fail])
+@pytest.mark.parametrize("relay,fails", [("broadcast", ["", "kill"]), ("broadcast", ["", "stop"]),
+                                         ("chain", ["kill", ""]), ("chain", ["", "stop"])])
+def test_a_receiver_dying_mid_version_delays_the_sender_at_most_the_timeout(tmp_path, relay, fails):
+    sender, procs, out = start(tmp_path, fails, relay)
     try:
         (tensors, manifest), = list(versions(tmp_path, 1))
         t0 = time.monotonic()
