@@ -27,7 +27,7 @@ How the payload moves (`weights.relay`):
   time for n workers is that for one plus n - 1 pieces. The last rank acknowledges the
   whole version to rank 0, so the sender learns of a break anywhere in the chain.
 - `broadcast`: each piece is one gloo broadcast from rank 0 (`pipeline`), which sends it to
-  every receiver itself (measured: 2.7-3.6x the time at 4 workers as at 1).
+  every receiver itself, so its time grows with the number of workers (docs/benchmarks.md).
 Either way `WINDOW` operations are in flight at a time (gloo's worker threads move bytes
 while the sender stages the next pack and the receiver hashes what arrived).
 
@@ -207,6 +207,17 @@ def chain(group: dist.ProcessGroup, pieces: Iterator[torch.Tensor], timeout: dat
         sends.popleft().wait(timeout)
 
 
+def move(group: dist.ProcessGroup, relay: str, pieces: Iterator[torch.Tensor], timeout: datetime.timedelta,
+         done: Callable[[int], None] = lambda i: None) -> None:
+    """The payload's pieces by `relay` (`chain` then its acknowledgement, or `pipeline`),
+    `done(i)` as each piece has arrived; RuntimeError as theirs."""
+    if relay == "chain":
+        chain(group, pieces, timeout, done)
+        acknowledge(group, timeout)
+    else:
+        pipeline(group, pieces, timeout, done)
+
+
 def acknowledge(group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
     """The end of a chained version: its last rank tells rank 0 that everything arrived (and
     was verified); rank 0 waits for that, at most `timeout`. Other ranks: nothing."""
@@ -258,7 +269,7 @@ def check_relay(name: str) -> str:
 class Sender:
     """The trainer's end: `send` one version to every receiver, or close the channel."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float, bucket_mb: float, relay: str = "chain") -> None:
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, bucket_mb: float, relay: str) -> None:
         self.group: dist.ProcessGroup | None = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.bucket = max(ALIGN, int(bucket_mb * 2**20) // ALIGN * ALIGN)
@@ -281,11 +292,7 @@ class Sender:
             spans, total = layout(manifest)
             broadcast(self.group, torch.tensor([manifest.version, len(meta), total], dtype=torch.int64), self.timeout)
             broadcast(self.group, meta, self.timeout)
-            if self.relay == "chain":
-                chain(self.group, self._sources(tensors, spans), self.timeout)
-                acknowledge(self.group, self.timeout)
-            else:
-                pipeline(self.group, self._sources(tensors, spans), self.timeout)
+            move(self.group, self.relay, self._sources(tensors, spans), self.timeout)
             return True
         except RuntimeError as e:  # gloo: a peer closed the connection, or the timeout passed
             problem = str(e).splitlines()[0]
@@ -323,7 +330,7 @@ class Receiver:
     """A worker's end: `receive` the next version, verified; WeightsError or RuntimeError if
     the channel failed (the caller stops listening)."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float, bucket_mb: float, relay: str = "chain") -> None:
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, bucket_mb: float, relay: str) -> None:
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.bucket = max(ALIGN, int(bucket_mb * 2**20) // ALIGN * ALIGN)
@@ -352,7 +359,7 @@ class Receiver:
         tensors: dict[str, torch.Tensor] = {}
 
         def check(i: int) -> None:  # piece i arrived: check every tensor whose bytes all have
-            end = pieces[i].end if i < len(pieces) else total
+            end = pieces[i].end if i < len(pieces) - 1 else total  # the last: empty tensors after it too
             while len(tensors) < len(names) and sum(spans[names[len(tensors)]]) <= end:
                 name = names[len(tensors)]
                 off, size = spans[name]
@@ -362,14 +369,8 @@ class Receiver:
                     raise WeightsError(f"broadcast v{version}: {name} does not match its checksum")
                 tensors[name] = t
 
-        slices = (flat[p.start:p.end] for p in pieces)
-        if self.relay == "chain":
-            chain(self.group, slices, self.timeout, check)
-        else:
-            pipeline(self.group, slices, self.timeout, check)
-        check(len(pieces))  # the empty tensors at the end, if any
-        if self.relay == "chain":
-            acknowledge(self.group, self.timeout)
+        move(self.group, self.relay, (flat[p.start:p.end] for p in pieces), self.timeout, check)
+        check(len(pieces))  # a payload of empty tensors only has no pieces
         return tensors, manifest, total
 
 
