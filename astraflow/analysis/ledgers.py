@@ -11,6 +11,8 @@ Read them before the journal and the shards: on a live run every line of a ledge
 acknowledged, so its step is already in the journal and its samples in a shard. The other
 way round only the newest step of a policy may be missing from the trainer's ledger (it
 writes the line after the acknowledgement; a trainer killed in between replays the step).
+
+Their writers append whole lines or none (`astraflow.appendonly`).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
         try:
             yield json.loads(line)
         except json.JSONDecodeError:
-            continue  # a torn last line: its writer was killed mid-write
+            continue  # a torn last line: the machine went down mid-write
 
 
 def read_ledgers(run_dir: Path) -> tuple[dict[str, dict[int, list[int]]], list[dict[str, Any]]]:

@@ -34,19 +34,20 @@ commit is the one that counts).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 import socket
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
 from astraflow import hardware
 from astraflow.analysis.ledgers import FAILURES_PREFIX
+from astraflow.appendonly import append_json_line
 from astraflow.config.rundir import RunDir
 from astraflow.config.schema import Config
 from astraflow.environments.client import EnvironmentClient, EnvLimits
@@ -314,9 +315,7 @@ class RolloutWorker:
             self.failing += 1
             self.pause_until = time.monotonic() + min(MAX_PAUSE_S, 0.25 * 2 ** min(self.failing, 8))
             log.warning("task %d: %s; handing it back", task.task_id, e)
-            self.failures.write(json.dumps({"task": task.task_id, "kind": e.kind, "reason": str(e),
-                                            "time": time.time()}) + "\n")
-            self.failures.flush()
+            self.record(self.failures, {"task": task.task_id, "kind": e.kind, "reason": str(e), "time": time.time()})
             await self.rpc(lambda: m.Release(self.worker_id, [task.task_id]))
             return
         finally:
@@ -333,8 +332,17 @@ class RolloutWorker:
             return
         self.committed += 1
         # the worker's own ledger of acknowledged commits, independent of the rank's journal
-        self.acks.write(json.dumps({"task": task.task_id, "status": reply.status, "sids": reply.sample_ids}) + "\n")
-        self.acks.flush()
+        self.record(self.acks, {"task": task.task_id, "status": reply.status, "sids": reply.sample_ids})
+
+    @staticmethod
+    def record(ledger: Path, entry: dict[str, Any]) -> None:
+        """A line of one of the worker's own ledgers. They witness what the rank stored and
+        are not the record of it: a line the disk has no room for is logged and left out,
+        never half-written, and the episode goes on."""
+        try:
+            append_json_line(ledger, entry)
+        except OSError as e:
+            log.warning("%s: line not written (%s): %s", ledger.name, e, entry)
 
     def _free_slot(self, task_id: int) -> None:
         self.generating.discard(task_id)
@@ -353,8 +361,8 @@ class RolloutWorker:
 
         self.followers = {p: Follower(self.rundir.path / "weights" / p) for p in self.policies}
         self.hardware = hardware.describe()
-        self.acks = open(self.rundir.path / "logs" / f"acks-{self.base_id}.jsonl", "a")
-        self.failures = open(self.rundir.path / "logs" / f"{FAILURES_PREFIX}{self.base_id}.jsonl", "a")
+        self.acks = self.rundir.path / "logs" / f"acks-{self.base_id}.jsonl"
+        self.failures = self.rundir.path / "logs" / f"{FAILURES_PREFIX}{self.base_id}.jsonl"
         tokenizer = run_tokenizer(self.rundir)
         self.workflow = WORKFLOWS[cfg.tasks.workflow].run
         self.ctx = episode_context(cfg, self.engines, tokenizer, np.random.default_rng([cfg.run.seed, os.getpid()]),
@@ -384,8 +392,6 @@ class RolloutWorker:
             if self.ctx.environment is not None:
                 await self.ctx.environment.close()
             self.client.close()
-            self.acks.close()
-            self.failures.close()
 
     async def lease_loop(self) -> None:
         while not self.stopping:

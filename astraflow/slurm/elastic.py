@@ -16,13 +16,13 @@ It runs in a thread of the dataflow rank's Slurm task.
 """
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
 import threading
 import time
 
+from astraflow.appendonly import append_json_line
 from astraflow.config.rundir import RunDir
 from astraflow.launch import components
 from astraflow.slurm import jobs
@@ -109,5 +109,4 @@ class ElasticController(threading.Thread):
         if action in ("grow", "shrink"):
             self.last_action = time.monotonic()
             log.info("elastic: %s %d (wait fraction %.2f, %d array workers)", action, n, wait, len(present))
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        append_json_line(self.log_path, entry)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import logging
 import os
 import signal
@@ -52,6 +51,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from astraflow import hardware
+from astraflow.analysis.ledgers import LEDGER_SUFFIX
+from astraflow.appendonly import append_json_line
 from astraflow.analysis.sinks import Sinks, best_completion, open_sinks
 from astraflow.config.rundir import RunDir
 from astraflow.models import wait_for_model
@@ -288,8 +289,9 @@ class Trainer:
         if published is not None:
             self.call(published)
             self.call(m.Consumed(self.policy, step, ids))
-            with open(self.run.path / "metrics" / f"{self.policy}.consumed.jsonl", "a") as ledger:
-                ledger.write(json.dumps({"step": step, "ids": ids}) + "\n")  # the trainer's own ledger
+            # the trainer's own ledger; a line the disk has no room for stops the trainer, which
+            # then replays the step from its checkpoint (written below, after this line)
+            append_json_line(self.run.path / "metrics" / f"{self.policy}{LEDGER_SUFFIX}", {"step": step, "ids": ids})
         if step % self.tcfg.checkpoint_every == 0 or step == self.tcfg.steps:
             # after the acknowledgement (see the invariant above): a sharded checkpoint is
             # committed by rank 0, after its `Consumed`
