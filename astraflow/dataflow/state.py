@@ -628,6 +628,10 @@ class DataflowState:
         cached = [buf.payloads.get(sid) for sid in ids.tolist()]
         missing = [(int(self.samples.shard[sid]), int(self.samples.row[sid]))
                    for sid, payload in zip(ids.tolist(), cached) if payload is None]
+        if not self.store.written(missing):
+            # committed this turn and not cached (a parked request retried after the commits):
+            # a reader sees flushed rows only, and one past the row table looked like damage
+            self.flush()
         try:
             records = self.store.read(missing) if missing else []
         except ShardCorrupt as e:

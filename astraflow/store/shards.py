@@ -139,6 +139,12 @@ class ShardStore:
             self._writer.close()
             self._writer = None
 
+    def written(self, locs: list[tuple[int, int]]) -> bool:
+        """Whether every location is in its file already, not only staged for the next flush."""
+        if self._writer is None:
+            return True
+        return all(idx != self._writer_index or row < self._writer.n_rows for idx, row in locs)
+
     def staged_bytes(self) -> int:
         """An upper bound of what the next `flush()` writes."""
         return self._writer.staged_bytes() if self._writer is not None else 0

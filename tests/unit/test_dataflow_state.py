@@ -16,6 +16,7 @@ from astraflow.dataflow.state import DataflowState
 from astraflow.dataflow.workers import FORGET_AFTER_S
 from astraflow.launch import components
 from astraflow.protocol import messages as m
+from astraflow.store.journal import replay
 from astraflow.store.reader import load_rows
 from tests.conftest import make_run
 
@@ -301,6 +302,27 @@ def test_payloads_beyond_the_memory_budget_are_served_from_their_shard(tmp_path)
     expected = sorted(tuple(b.trajectory(i).tokens.tolist()) for b in sent.values() for i in range(4))
     assert served == expected  # the uncached ones came back from the shard, intact
     state.close()
+
+
+def test_uncached_samples_committed_in_the_same_turn_are_served_intact(tmp_path):
+    """A batch taken before the turn's flush (a parked request retried right after the
+    commits) with the payload cache full: its rows were staged, not yet in the shard, and
+    reading them back once marked the active shard damaged, which would quarantine it."""
+    run = make_run(tmp_path, ["tasks.group_size=4", "dataflow.payload_cache_mb=0"])
+    state = DataflowState(run.path, run.config, clock=Clock())
+    state.recover()
+    w = register(state)
+    sent = {}
+    for task in state.handle(m.Lease(w, 2)).tasks:
+        batch = group(task.task_id, [0, 1, 0, 1], tokens=12)
+        sids = state.handle(m.Commit(w, task.task_id, batch)).sample_ids
+        sent.update({sid: batch.trajectory(i) for i, sid in enumerate(sids)})
+    reply = state.handle(m.Batch("policy", 1, 8, 0, 1, 0))  # no flush in between
+    assert sorted(reply.sample_ids.tolist()) == sorted(sent)
+    for i, sid in enumerate(reply.sample_ids.tolist()):
+        assert reply.trajectories.trajectory(i).tokens.tolist() == sent[sid].tokens.tolist()
+    state.close()
+    assert not [ev for ev in replay(run.path / "journal") if ev["ev"] == "damaged"]
 
 
 def test_a_starving_trainer_gets_a_warning_that_says_its_groups_were_filtered(env, caplog):
