@@ -284,31 +284,12 @@ def test_drained_worker_is_told_to_retire_and_leaving_hands_everything_back(env)
     assert listed["a"]["draining"] and not listed["b"]["draining"]
 
 
-def test_payloads_beyond_the_memory_budget_are_served_from_their_shard(tmp_path):
+@pytest.mark.parametrize("flushed", [True, False])
+def test_payloads_beyond_the_memory_budget_are_served_from_their_shard(tmp_path, flushed):
+    """Unflushed: a batch taken before the turn's flush (a parked request retried right after
+    the commits). Its uncached rows were staged, not yet in the shard, and reading them back
+    once marked the active shard damaged, which would have quarantined it."""
     run = make_run(tmp_path, ["tasks.group_size=4", "dataflow.payload_cache_mb=0.0005"])  # ~37 tokens
-    state = DataflowState(run.path, run.config, clock=Clock())
-    state.recover()
-    w = register(state)
-    sent = {}
-    for task in state.handle(m.Lease(w, 2)).tasks:
-        batch = group(task.task_id, [0, 1, 0, 1], tokens=12)
-        sent[task.task_id] = batch
-        state.handle(m.Commit(w, task.task_id, batch))
-    buf = state.buffers["policy"]
-    assert buf.cached_tokens <= 4 * 12 and state.counters["payload_not_cached"] > 0  # the first commit only
-    state.flush()
-    reply = state.handle(m.Batch("policy", 1, 8, 0, 1, 0))
-    served = sorted(tuple(reply.trajectories.trajectory(i).tokens.tolist()) for i in range(8))
-    expected = sorted(tuple(b.trajectory(i).tokens.tolist()) for b in sent.values() for i in range(4))
-    assert served == expected  # the uncached ones came back from the shard, intact
-    state.close()
-
-
-def test_uncached_samples_committed_in_the_same_turn_are_served_intact(tmp_path):
-    """A batch taken before the turn's flush (a parked request retried right after the
-    commits) with the payload cache full: its rows were staged, not yet in the shard, and
-    reading them back once marked the active shard damaged, which would quarantine it."""
-    run = make_run(tmp_path, ["tasks.group_size=4", "dataflow.payload_cache_mb=0"])
     state = DataflowState(run.path, run.config, clock=Clock())
     state.recover()
     w = register(state)
@@ -317,9 +298,13 @@ def test_uncached_samples_committed_in_the_same_turn_are_served_intact(tmp_path)
         batch = group(task.task_id, [0, 1, 0, 1], tokens=12)
         sids = state.handle(m.Commit(w, task.task_id, batch)).sample_ids
         sent.update({sid: batch.trajectory(i) for i, sid in enumerate(sids)})
-    reply = state.handle(m.Batch("policy", 1, 8, 0, 1, 0))  # no flush in between
+    buf = state.buffers["policy"]
+    assert buf.cached_tokens <= 4 * 12 and state.counters["payload_not_cached"] > 0  # the first commit only
+    if flushed:
+        state.flush()
+    reply = state.handle(m.Batch("policy", 1, 8, 0, 1, 0))
     assert sorted(reply.sample_ids.tolist()) == sorted(sent)
-    for i, sid in enumerate(reply.sample_ids.tolist()):
+    for i, sid in enumerate(reply.sample_ids.tolist()):  # the uncached ones came back from the shard, intact
         assert reply.trajectories.trajectory(i).tokens.tolist() == sent[sid].tokens.tolist()
     state.close()
     assert not [ev for ev in replay(run.path / "journal") if ev["ev"] == "damaged"]
