@@ -12,7 +12,7 @@ acknowledged, so its step is already in the journal and its samples in a shard. 
 way round only the newest step of a policy may be missing from the trainer's ledger (it
 writes the line after the acknowledgement; a trainer killed in between replays the step).
 
-Their writers append whole lines or none (`astraflow.appendonly`).
+Their writers append whole lines or none (`astraflow/store/appendonly.py`).
 """
 from __future__ import annotations
 

@@ -47,7 +47,6 @@ import numpy as np
 
 from astraflow import hardware
 from astraflow.analysis.ledgers import FAILURES_PREFIX
-from astraflow.appendonly import append_json_line
 from astraflow.config.rundir import RunDir
 from astraflow.config.schema import Config
 from astraflow.environments.client import EnvironmentClient, EnvLimits
@@ -63,6 +62,7 @@ from astraflow.rollout.keepalive import is_contact, keepalive_due
 from astraflow.rollout.engines import ENGINES, import_library
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.slurm.env import partition, rollout_worker_id
+from astraflow.store.appendonly import append_json_line
 from astraflow.weights.fs import path_of
 from astraflow.sandbox import Sandbox, hide_in_every_sandbox
 from astraflow.workflows import WORKFLOWS, EpisodeContext, EpisodeError

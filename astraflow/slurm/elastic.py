@@ -22,11 +22,11 @@ import sys
 import threading
 import time
 
-from astraflow.appendonly import append_json_line
 from astraflow.config.rundir import RunDir
 from astraflow.launch import components
 from astraflow.slurm import jobs
 from astraflow.slurm.scale import queued_array_tasks
+from astraflow.store.appendonly import append_json_line
 
 log = logging.getLogger(__name__)
 

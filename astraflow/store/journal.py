@@ -5,7 +5,7 @@ reply that depends on it is sent: which samples each trainer step consumed, trai
 (re)starts, published weight versions, the task high-water mark, worker registrations.
 Together with the shards this is enough to rebuild the dataflow rank's state. A process
 killed mid-write leaves at most one torn last line, which replay ignores (its reply was
-never sent). A journal deleted or replaced under the rank stops it (identity.py).
+never sent); a write cut short (a full disk) is taken back and stops the rank (appendonly.py). A journal deleted or replaced under the rank stops it (identity.py).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from astraflow.store.appendonly import write_whole
 from astraflow.store.identity import FileIdentity
 
 
@@ -36,7 +37,7 @@ class Journal:
             return
         data = ("\n".join(self._pending) + "\n").encode()
         self._pending.clear()
-        os.write(self._fd, data)
+        write_whole(self._fd, data, self.path)  # a short write (disk full) stops the rank, nothing torn
         if self.fsync:
             os.fsync(self._fd)
         self._identity.check()  # deleted or replaced: stop before acknowledging (identity.py)

@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 from astraflow import hardware
 from astraflow.analysis.ledgers import LEDGER_SUFFIX
-from astraflow.appendonly import append_json_line
 from astraflow.analysis.sinks import Sinks, best_completion, open_sinks
 from astraflow.config.rundir import RunDir
 from astraflow.models import wait_for_model
@@ -61,6 +60,7 @@ from astraflow.protocol.client import Client, moved_to, read_rendezvous, wait_re
 from astraflow.protocol.codec import RemoteError
 from astraflow.slurm.endpoint import MASTER_ENV
 from astraflow.slurm.env import partition
+from astraflow.store.appendonly import append_json_line
 from astraflow.trainer.backend import Backend
 from astraflow.trainer.checkpoint import checkpoint_steps, latest_checkpoint, prune_checkpoints
 from astraflow.trainer.lr import lr_at

@@ -1,4 +1,4 @@
-"""Appending to the run's line files (ledgers, the elastic log, runtime overrides) whole or not at all.
+"""Appending to the run's line files (the journal, the clients' ledgers, the elastic log) whole or not at all.
 
 One `write` on an O_APPEND descriptor, so a killed process cannot tear a line, and a short
 write (a full filesystem, a file-size limit) is cut back off before the error is raised: the
@@ -13,18 +13,24 @@ from pathlib import Path
 from typing import Any
 
 
+def write_whole(fd: int, data: bytes, path: Path) -> None:
+    """Append `data` entirely to `fd` (opened O_APPEND, at `path`); raises OSError with the
+    file as it was if it could not."""
+    size = os.fstat(fd).st_size
+    try:
+        written = os.write(fd, data)
+        if written != len(data):
+            raise OSError(f"{path}: only {written} of {len(data)} bytes written (filesystem full?)")
+    except OSError:
+        os.ftruncate(fd, size)
+        raise
+
+
 def append_whole(path: Path, data: bytes) -> None:
-    """Append `data` entirely; raises OSError with the file as it was if it could not."""
+    """Append `data` to the file at `path` entirely, or raise OSError with the file as it was."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        size = os.fstat(fd).st_size
-        try:
-            written = os.write(fd, data)
-            if written != len(data):
-                raise OSError(f"{path}: only {written} of {len(data)} bytes written (filesystem full?)")
-        except OSError:
-            os.ftruncate(fd, size)
-            raise
+        write_whole(fd, data, path)
     finally:
         os.close(fd)
 
