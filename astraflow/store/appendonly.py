@@ -26,15 +26,10 @@ def write_whole(fd: int, data: bytes, path: Path) -> None:
         raise
 
 
-def append_whole(path: Path, data: bytes) -> None:
-    """Append `data` to the file at `path` entirely, or raise OSError with the file as it was."""
+def append_json_line(path: Path, record: dict[str, Any]) -> None:
+    """`record` as one JSON line at the end of the file at `path`, whole or not at all."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        write_whole(fd, data, path)
+        write_whole(fd, (json.dumps(record) + "\n").encode(), path)
     finally:
         os.close(fd)
-
-
-def append_json_line(path: Path, record: dict[str, Any]) -> None:
-    """`record` as one JSON line, whole or not at all."""
-    append_whole(path, (json.dumps(record) + "\n").encode())

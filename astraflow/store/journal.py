@@ -5,7 +5,8 @@ reply that depends on it is sent: which samples each trainer step consumed, trai
 (re)starts, published weight versions, the task high-water mark, worker registrations.
 Together with the shards this is enough to rebuild the dataflow rank's state. A process
 killed mid-write leaves at most one torn last line, which replay ignores (its reply was
-never sent); a write cut short (a full disk) is taken back and stops the rank (appendonly.py). A journal deleted or replaced under the rank stops it (identity.py).
+never sent); a write cut short (a full disk) is taken back and stops the rank
+(appendonly.py). A journal deleted or replaced under the rank stops it (identity.py).
 """
 from __future__ import annotations
 

@@ -260,6 +260,11 @@ class Buffers:
         return buffer
 
 
+def bucket_bytes(bucket_mb: float) -> int:
+    """`weights.bucket_mb` in bytes, a multiple of the payload's alignment."""
+    return max(ALIGN, int(bucket_mb * 2**20) // ALIGN * ALIGN)
+
+
 def check_relay(name: str) -> str:
     if name not in RELAYS:
         raise ValueError(f"relay {name!r}: expected one of {', '.join(RELAYS)}")
@@ -272,7 +277,7 @@ class Sender:
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, bucket_mb: float, relay: str) -> None:
         self.group: dist.ProcessGroup | None = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.bucket = max(ALIGN, int(bucket_mb * 2**20) // ALIGN * ALIGN)
+        self.bucket = bucket_bytes(bucket_mb)
         self.relay = check_relay(relay)
         self.staging = torch.empty(0, dtype=torch.uint8)  # the packs of small tensors, kept across versions
 
@@ -333,7 +338,7 @@ class Receiver:
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, bucket_mb: float, relay: str) -> None:
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.bucket = max(ALIGN, int(bucket_mb * 2**20) // ALIGN * ALIGN)
+        self.bucket = bucket_bytes(bucket_mb)
         self.relay = check_relay(relay)
         self.buffers = Buffers()
 
