@@ -21,6 +21,18 @@ from tests.conftest import component_pids
 pytestmark = pytest.mark.chaos
 
 
+def running(run_dir, victim: str, timeout_s: float = 30) -> list[int]:
+    """The pids of the victim's processes, once it has some: one killed a moment ago may be
+    waiting out its restart backoff. A step does not prove the rank is back: the trainer
+    records a step trained on a batch fetched before the kill, then waits for the rank to
+    acknowledge it (CI once found no rank to kill one step after killing it)."""
+    deadline = time.monotonic() + timeout_s
+    while not (pids := component_pids(run_dir, victim)):
+        assert time.monotonic() < deadline, f"no {victim} process to kill within {timeout_s}s\n{diagnosis(run_dir)}"
+        time.sleep(0.05)
+    return pids
+
+
 def test_sigkill_worker_trainer_and_dataflow_rank_twice_each(tmp_path):
     seed = int(os.environ.get("ASTRAFLOW_CHAOS_SEED", random.randrange(1 << 30)))
     print(f"chaos seed {seed}")
@@ -39,9 +51,7 @@ def test_sigkill_worker_trainer_and_dataflow_rank_twice_each(tmp_path):
         for victim in victims:
             wait_steps(proc, run_dir, min(steps - 1, steps_done(run_dir) + rng.randint(1, 3)))
             time.sleep(rng.uniform(0, 0.5))
-            pids = component_pids(run_dir, victim)
-            assert pids, f"no {victim} process to kill"
-            os.kill(rng.choice(pids), signal.SIGKILL)
+            os.kill(rng.choice(running(run_dir, victim)), signal.SIGKILL)
             killed.append(victim)
         out, err = finish(proc)
     finally:
