@@ -19,8 +19,10 @@ Updated weights agree within 1e-5 wherever the gradient is above 1e-7: AdamW's f
 update is lr * g / (|g| + 1e-8), so where |g| is near its eps, fp32 noise in g (the two
 backends sum in different orders) moves the update itself; there the bound is lr / 10.
 
-Every backend runs in a spawned process: megatron's parallel state and torch.distributed
-are process-global, and the test process keeps neither."""
+Every backend runs in a process of its own: megatron's parallel state and torch.distributed
+are process-global, and the test process keeps neither. The processes fork from a forkserver
+that has imported megatron-core, transformers and this module once (`ranks_context`): a
+spawned rank spent ~12 s of CPU importing them, and this file starts 52 ranks."""
 from __future__ import annotations
 
 import dataclasses
@@ -109,9 +111,17 @@ def rank_main(rank: int, world: int, tp: int, pp: int, options: dict, store: str
         torch.save(result, out)
 
 
+def ranks_context() -> mp.context.ForkServerContext:
+    """Processes forked from a server that imported the heavy modules once. Forked before any
+    of them ran a torch op, a rank holds no thread pool, process group or megatron state."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "astraflow.trainer.megatron.backend"])
+    return ctx
+
+
 def spawn(target, world: int, *args: object) -> None:
-    """`target(rank, world, *args)` in `world` spawned processes; every one must exit 0."""
-    ctx = mp.get_context("spawn")
+    """`target(rank, world, *args)` in `world` new processes; every one must exit 0."""
+    ctx = ranks_context()
     procs = [ctx.Process(target=target, args=(r, world, *args)) for r in range(world)]
     for p in procs:
         p.start()
@@ -278,7 +288,7 @@ def test_megatron_in_bf16_trains_bf16_parameters_from_fp32_masters(model_dir, to
     """bf16 parameters (as Megatron runs them: its recompute re-runs layers outside autocast)
     stepped through fp32 masters: the masters move by less than a bf16 ulp can show, the
     parameters are the masters rounded, and a checkpoint keeps the masters bit for bit."""
-    proc = mp.get_context("spawn").Process(target=bf16_main, args=(str(model_dir), str(tmp_path / "bf16.pt")))
+    proc = ranks_context().Process(target=bf16_main, args=(str(model_dir), str(tmp_path / "bf16.pt")))
     proc.start()
     proc.join(RANK_TIMEOUT_S)
     if proc.is_alive():
