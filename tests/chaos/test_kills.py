@@ -12,6 +12,7 @@ import random
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ from tests.conftest import component_pids
 pytestmark = pytest.mark.chaos
 
 
-def running(run_dir, victim: str, timeout_s: float = 30) -> list[int]:
+def running(run_dir: Path, victim: str, timeout_s: float = 30) -> list[int]:
     """The pids of the victim's processes, once it has some: one killed a moment ago may be
     waiting out its restart backoff. A step does not prove the rank is back: the trainer
     records a step trained on a batch fetched before the kill, then waits for the rank to

@@ -21,7 +21,7 @@ backends sum in different orders) moves the update itself; there the bound is lr
 
 Every backend runs in a process of its own: megatron's parallel state and torch.distributed
 are process-global, and the test process keeps neither. The processes fork from a forkserver
-that has imported megatron-core, transformers and this module once (`ranks_context`): a
+that has imported megatron-core, transformers and this module once (`start_ranks`): a
 spawned rank spent ~12 s of CPU importing them, and this file starts 52 ranks."""
 from __future__ import annotations
 
@@ -111,17 +111,12 @@ def rank_main(rank: int, world: int, tp: int, pp: int, options: dict, store: str
         torch.save(result, out)
 
 
-def ranks_context() -> mp.context.ForkServerContext:
-    """Processes forked from a server that imported the heavy modules once. Forked before any
-    of them ran a torch op, a rank holds no thread pool, process group or megatron state."""
+def start_ranks(target, world: int, *args: object) -> None:
+    """`target(rank, world, *args)` in `world` new processes; every one must exit 0. They fork
+    from a server that imported the heavy modules once: forked before any of them ran a torch
+    op, a rank holds no thread pool, process group or megatron state."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "astraflow.trainer.megatron.backend"])
-    return ctx
-
-
-def spawn(target, world: int, *args: object) -> None:
-    """`target(rank, world, *args)` in `world` new processes; every one must exit 0."""
-    ctx = ranks_context()
     procs = [ctx.Process(target=target, args=(r, world, *args)) for r in range(world)]
     for p in procs:
         p.start()
@@ -136,7 +131,7 @@ def spawn(target, world: int, *args: object) -> None:
 def run_ranks(tmp_path: Path, model_dir: Path, tp: int, dp: int, pp: int = 1, **options: bool) -> dict:
     """Every rank of a tp x pp x dp group (`options`: `config`'s sharded, sp); rank 0's result."""
     out = tmp_path / f"tp{tp}-pp{pp}-dp{dp}.pt"
-    spawn(rank_main, tp * pp * dp, tp, pp, options, str(tmp_path / f"store-{tp}-{pp}-{dp}"), str(model_dir), str(out))
+    start_ranks(rank_main, tp * pp * dp, tp, pp, options, str(tmp_path / f"store-{tp}-{pp}-{dp}"), str(model_dir), str(out))
     return torch.load(out, weights_only=False)
 
 
@@ -245,7 +240,7 @@ def test_a_checkpoint_resumes_at_another_layout(model_dir, tmp_path, tp, pp, dp,
     the saved state, then broadcast)."""
     saved = run_ranks(tmp_path, model_dir, tp=2, dp=1)
     out = tmp_path / "resumed.pt"
-    spawn(load_main, tp * pp * dp, tp, pp, sharded, str(tmp_path / "store-resume"), str(model_dir),
+    start_ranks(load_main, tp * pp * dp, tp, pp, sharded, str(tmp_path / "store-resume"), str(model_dir),
           str(tmp_path / "checkpoints" / "step-4"), str(out))
     got = torch.load(out, weights_only=False)
     assert got["step"] == 4
@@ -259,8 +254,8 @@ def test_a_checkpoint_resumes_at_another_layout(model_dir, tmp_path, tp, pp, dp,
         assert [k for k in first if not torch.equal(other[k], first[k])] == []
 
 
-def bf16_main(model_dir: str, out: str) -> None:
-    """A group of one in bf16 with Megatron's full recompute: score, two steps, a checkpoint
+def bf16_main(rank: int, world: int, model_dir: str, out: str) -> None:
+    """A group of one (`rank` 0 of `world` 1) in bf16 with Megatron's full recompute: score, two steps, a checkpoint
     saved, a third step, the checkpoint loaded back."""
     from astraflow.trainer.megatron.backend import MegatronBackend
 
@@ -288,12 +283,7 @@ def test_megatron_in_bf16_trains_bf16_parameters_from_fp32_masters(model_dir, to
     """bf16 parameters (as Megatron runs them: its recompute re-runs layers outside autocast)
     stepped through fp32 masters: the masters move by less than a bf16 ulp can show, the
     parameters are the masters rounded, and a checkpoint keeps the masters bit for bit."""
-    proc = ranks_context().Process(target=bf16_main, args=(str(model_dir), str(tmp_path / "bf16.pt")))
-    proc.start()
-    proc.join(RANK_TIMEOUT_S)
-    if proc.is_alive():
-        proc.kill()
-    assert proc.exitcode == 0
+    start_ranks(bf16_main, 1, str(model_dir), str(tmp_path / "bf16.pt"))
     got = torch.load(tmp_path / "bf16.pt", weights_only=False)
     assert got["dtypes"] == {torch.bfloat16}
     assert (got["logp"] - torch_reference["logp"]).abs().max().item() < 0.05  # bf16 against the fp32 HF pass
